@@ -1,0 +1,329 @@
+"""The spec: what to build, validated once at load.
+
+A spec is user-facing YAML. Every error names the YAML path, the bad value and what is
+allowed (see `SpecError`). Unknown keys are rejected everywhere.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
+KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
+# Weight precisions this build of Kiln knows how to build; the rest are rejected with a
+# message that says so (rather than building something else silently).
+BUILDABLE_WEIGHTS = ("fp32", "bf16")
+BUILDABLE_KV = ("fp32", "bf16")
+
+# Known NVIDIA targets by name -> compute capability.
+GPU_TARGETS = {
+    "a100": "sm_80", "a10": "sm_86", "a10g": "sm_86", "l4": "sm_89", "l40s": "sm_89",
+    "h100": "sm_90", "h200": "sm_90", "gh200": "sm_90", "b200": "sm_100",
+}
+
+
+class SpecError(ValueError):
+    """A spec that cannot be built. `problems` is a list of (yaml_path, message)."""
+
+    def __init__(self, source: str, problems: list[tuple[str, str]]):
+        self.source = source
+        self.problems = problems
+        lines = [f"invalid spec {source}:"] + [f"  {p}: {m}" for p, m in problems]
+        super().__init__("\n".join(lines))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RandomArch(_Strict):
+    """Architecture of a random-weight model (tests)."""
+
+    vocab_size: int = Field(ge=8, le=1_000_000, description="vocabulary size")
+    hidden_size: int = Field(ge=8, le=65536)
+    intermediate_size: int = Field(ge=8, le=262144)
+    num_hidden_layers: int = Field(ge=1, le=256)
+    num_attention_heads: int = Field(ge=1, le=256)
+    num_key_value_heads: Optional[int] = Field(default=None, ge=1, le=256)
+    head_dim: Optional[int] = Field(default=None, ge=4, le=512)
+    max_position_embeddings: int = Field(default=2048, ge=16)
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    rope_scaling: Optional[dict[str, Any]] = None
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    bos_token_id: int = 1
+    eos_token_id: int = 2
+
+
+class ModelSection(_Strict):
+    source: str = Field(
+        description="a HF checkpoint directory, a .gguf file, `pkg://PACKAGE/FILE` (a file "
+        "inside an installed Python package), or `random`")
+    revision: Optional[str] = Field(
+        default=None, description="expected sha256 of the source weights (hex); the build "
+        "fails when the weights differ")
+    arch: Optional[RandomArch] = Field(default=None, description="architecture for `random`")
+    seed: int = Field(default=0, description="seed for `random` weights")
+    tokenizer: Optional[str] = Field(
+        default=None, description="tokenizer.json for `random` (default: a byte-level "
+        "tokenizer generated to the vocab size)")
+
+    @model_validator(mode="after")
+    def _random_needs_arch(self):
+        if self.source == "random" and self.arch is None:
+            raise ValueError("source `random` needs `arch` (an architecture config)")
+        if self.source != "random" and self.arch is not None:
+            raise ValueError("`arch` is only for source `random`; a checkpoint brings its own")
+        return self
+
+
+class TargetSection(_Strict):
+    device: str = Field(default="cpu", description="cpu, a GPU name (h100, h200, a100, "
+                        "l40s, ...) or a compute capability sm_XY")
+    backend: Literal["aoti", "eager"] = Field(default="aoti", description="aoti "
+                                              "(AOTInductor, default) or eager (debugging)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        v = v.strip().lower()
+        if v == "cpu" or v in GPU_TARGETS:
+            return v
+        if v.startswith("sm_") and v[3:].isdigit() and len(v) >= 5:
+            return v
+        raise ValueError(f"unknown device {v!r}; allowed: cpu, {', '.join(GPU_TARGETS)}, "
+                         "or a compute capability like sm_90")
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device != "cpu"
+
+    @property
+    def compute_capability(self) -> Optional[str]:
+        if not self.is_gpu:
+            return None
+        return GPU_TARGETS.get(self.device, self.device)
+
+
+class PrecisionSection(_Strict):
+    weights: Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"] = "fp32"
+    group_size: Optional[Literal[32, 64, 128]] = Field(
+        default=None, description="int4 group size (32, 64, 128); default 128")
+    kv_cache: Optional[Literal["fp32", "bf16", "fp16", "int8", "fp8"]] = Field(
+        default=None, description="KV pool dtype; default: fp32 for fp32 weights, else bf16")
+    activations: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
+        default="fp32", description="activation dtype of the matmuls")
+    keep_high_precision: tuple[str, ...] = Field(
+        default=("embed", "lm_head"),
+        description="layers that keep the unquantized dtype (embed, lm_head)")
+
+
+class LimitsSection(_Strict):
+    max_batch_size: int = Field(default=32, ge=1, le=4096)
+    max_seq_len: int = Field(default=2048, ge=16, le=1_048_576)
+    max_input_len: Optional[int] = Field(default=None, ge=1, description="default: max_seq_len - 1")
+    max_num_tokens: int = Field(default=512, ge=1, le=1_048_576,
+                                description="tokens per engine step (chunked-prefill budget)")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_input_len is not None and self.max_input_len >= self.max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be below max_seq_len "
+                             f"({self.max_seq_len}): a request needs room for one output token")
+        if self.max_num_tokens < self.max_batch_size:
+            raise ValueError(f"max_num_tokens ({self.max_num_tokens}) must be at least "
+                             f"max_batch_size ({self.max_batch_size}): each running sequence "
+                             "needs one token per step")
+        return self
+
+    @property
+    def input_len(self) -> int:
+        return self.max_input_len if self.max_input_len is not None else self.max_seq_len - 1
+
+
+class KVCacheSection(_Strict):
+    tokens_per_block: Literal[8, 16, 32, 64] = 16
+    memory: Union[int, float, str] = Field(
+        default="256MiB", description="KV pool budget: bytes (int or '512MiB'/'2GiB') or a "
+        "fraction of free memory in (0, 1]")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v):
+        parse_memory(v)  # raises on bad input
+        return v
+
+
+class SchedulerSection(_Strict):
+    policy: Literal["guaranteed_no_evict", "max_utilization"] = "max_utilization"
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    max_queue: int = Field(default=1024, ge=1, description="bound of the waiting queue")
+
+
+class AccuracySection(_Strict):
+    max_ppl_increase: Optional[float] = Field(
+        default=None, ge=0, description="largest relative perplexity increase over the "
+        "unquantized model (0.05 = 5%); default per precision")
+    eval_tokens: int = Field(default=20480, ge=256, description="evaluation tokens")
+    calibration_text: Optional[str] = Field(default=None, description="text for AWQ-style "
+                                            "int4 calibration (`pydoc` = Python's docs)")
+
+
+class GoldenPrompt(_Strict):
+    prompt: str
+    expected: Optional[str] = None
+    chat: bool = False
+    max_tokens: int = Field(default=16, ge=1)
+
+
+class Spec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                      description="plan name: letters, digits, . _ -")
+    model: ModelSection
+    target: TargetSection = TargetSection()
+    precision: PrecisionSection = PrecisionSection()
+    limits: LimitsSection = LimitsSection()
+    kv_cache: KVCacheSection = KVCacheSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    accuracy: AccuracySection = AccuracySection()
+    golden: tuple[GoldenPrompt, ...] = ()
+
+    @model_validator(mode="after")
+    def _buildable(self):
+        if self.precision.weights not in BUILDABLE_WEIGHTS:
+            raise _PathError("precision.weights", f"{self.precision.weights!r} is not built "
+                             f"by this version of kiln; allowed: {', '.join(BUILDABLE_WEIGHTS)}")
+        if self.precision.kv_cache is not None and self.precision.kv_cache not in BUILDABLE_KV:
+            raise _PathError("precision.kv_cache", f"{self.precision.kv_cache!r} is not built "
+                             f"by this version of kiln; allowed: {', '.join(BUILDABLE_KV)}")
+        if self.precision.group_size is not None and self.precision.weights != "int4":
+            raise _PathError("precision.group_size", "group_size applies to int4 weights only "
+                             f"(weights is {self.precision.weights!r})")
+        if self.precision.activations == "fp8":
+            cc = self.target.compute_capability
+            if cc is None or int(cc[3:]) < 89:
+                raise _PathError("precision.activations", f"fp8 activations need a GPU with "
+                                 f"FP8 (sm_89 or newer); target is {self.target.device!r}")
+        if self.target.backend == "eager" and self.target.is_gpu:
+            pass
+        return self
+
+    @property
+    def kv_dtype(self) -> str:
+        if self.precision.kv_cache:
+            return self.precision.kv_cache
+        return "fp32" if self.precision.weights == "fp32" else "bf16"
+
+    def canonical(self) -> dict:
+        """The resolved spec as plain data, defaults filled in (stable for hashing)."""
+        return self.model_dump(mode="json")
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+class _PathError(ValueError):
+    """A cross-field error that knows its YAML path."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(message)
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_memory(v) -> tuple[str, float]:
+    """('bytes', n) or ('fraction', f) for a kv_cache.memory value; ValueError if bad."""
+    if isinstance(v, bool):
+        raise ValueError(f"{v!r} is not a memory size; use bytes ('512MiB') or a fraction")
+    if isinstance(v, int):
+        if v <= 0:
+            raise ValueError(f"{v} bytes: must be positive")
+        return ("bytes", v)
+    if isinstance(v, float):
+        if not 0 < v <= 1:
+            raise ValueError(f"{v}: a fraction of free memory must be in (0, 1]")
+        return ("fraction", v)
+    s = str(v).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):] or "b"
+    if unit not in _UNITS or not num:
+        raise ValueError(f"{v!r} is not a memory size; use e.g. 536870912, '512MiB', '2GiB' "
+                         "or a fraction like 0.5")
+    n = float(num) * _UNITS[unit]
+    if n <= 0:
+        raise ValueError(f"{v!r}: must be positive")
+    return ("bytes", int(n))
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _describe(err: dict) -> str:
+    t, msg, inp = err["type"], err["msg"], err.get("input")
+    if t == "extra_forbidden":
+        return f"unknown key (value {inp!r}); check the spelling against DESIGN.md's spec"
+    if t == "missing":
+        return "required key is missing"
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if t == "literal_error":
+        return f"{inp!r} is not allowed; {msg[0].lower() + msg[1:]}"
+    return f"{msg} (got {inp!r})"
+
+
+def load_spec(path: str | os.PathLike) -> Spec:
+    """Read and validate a spec file; raises SpecError naming every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(str(path), [("(file)", f"cannot read: {e.strerror or e}")]) from None
+    return parse_spec(text, str(path), base_dir=path.parent)
+
+
+def parse_spec(text: str, source: str = "<spec>", base_dir: Path | None = None) -> Spec:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise SpecError(source, [("(yaml)", f"not valid YAML: {e}")]) from None
+    if not isinstance(data, dict):
+        raise SpecError(source, [("(top level)", f"a spec is a mapping, got {type(data).__name__}")])
+    # Relative local paths in model.source/tokenizer are relative to the spec file.
+    model = data.get("model")
+    if base_dir is not None and isinstance(model, dict):
+        for key in ("source", "tokenizer"):
+            val = model.get(key)
+            if isinstance(val, str) and val not in ("random",) and "://" not in val \
+                    and not os.path.isabs(os.path.expanduser(val)):
+                model[key] = str((base_dir / val).resolve())
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            ctx_err = (err.get("ctx") or {}).get("error")
+            if isinstance(ctx_err, _PathError):
+                problems.append((ctx_err.path, str(ctx_err)))
+            else:
+                problems.append((_loc(err["loc"]), _describe(err)))
+        raise SpecError(source, problems) from None

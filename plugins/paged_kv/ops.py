@@ -1,0 +1,91 @@
+"""The `kiln::paged_attention` custom op: schema, fake (for export) and pure-torch reference.
+
+One call per layer handles a packed batch mixing prefill chunks and decode tokens:
+
+    tokens (T) :  | seq 0 chunk (3) | seq 1 (1) | seq 2 chunk (4) |
+    query_start_loc = [0, 3, 4, 8]
+    context_lens[b] = tokens of seq b in the pool *after* this step
+    position of token j of seq b = context_lens[b] - q_len[b] + j
+
+The op writes k/v into their slots of the pool **in place** (the pool is listed in the
+schema's mutated args, so AOTInductor calls it without copying the pool) and returns the
+attention output. Token t attends to positions 0..pos(t) of its own sequence (causal inside
+a chunk, everything before the chunk from the pool). GQA: head h reads kv head h // (H/KVH).
+
+Kernels: the reference below is registered for CompositeExplicitAutograd (any device); a
+compiled kernel registered for a backend key (CPU, CUDA) takes precedence when loaded.
+"""
+from __future__ import annotations
+
+import torch
+
+SCHEMA = (
+    "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor query_start_loc, "
+    "float scale) -> Tensor"
+)
+
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define(SCHEMA)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this step's K/V [T, KVH, D] into their flat slots of the pools, in place."""
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
+                              context_lens, query_start_loc, scale: float) -> torch.Tensor:
+    """Pure-torch paged attention (vectorized over sequences; pads queries per sequence).
+
+    q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, bs, KVH, D];
+    slot_mapping [T]; block_tables [B, max_blocks]; context_lens [B]; query_start_loc [B+1].
+    Returns [T, H, D] in q's dtype. Computes in float32.
+    """
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
+    T, H, D = q.shape
+    B = context_lens.shape[0]
+    bs, KVH = k_cache.shape[1], k_cache.shape[2]
+    G = H // KVH
+    dev = q.device
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()          # [B]
+    seq_ids = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=T)
+    tok_idx = torch.arange(T, device=dev) - query_start_loc[:-1].long()[seq_ids]
+    max_q = int(q_lens.max())
+    n_blocks = (int(context_lens.max()) + bs - 1) // bs
+    ctx = n_blocks * bs
+    bt = block_tables[:, :n_blocks].long()
+    K = k_cache[bt].reshape(B, ctx, KVH, D).float()                        # [B, C, KVH, D]
+    V = v_cache[bt].reshape(B, ctx, KVH, D).float()
+    Qp = q.new_zeros((B, max_q, H, D), dtype=torch.float32)
+    Qp[seq_ids, tok_idx] = q.float()
+    Qp = Qp.view(B, max_q, KVH, G, D)
+    scores = torch.einsum("bqkgd,bckd->bkgqc", Qp, K) * scale              # [B, KVH, G, Q, C]
+    first_pos = (context_lens.long() - q_lens)                             # [B]
+    qpos = first_pos[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B, Q]
+    cpos = torch.arange(ctx, device=dev)
+    allowed = cpos[None, None, :] <= qpos[:, :, None]                      # [B, Q, C]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                 # padded rows -> 0
+    out = torch.einsum("bkgqc,bckd->bqkgd", probs, V)                      # [B, Q, KVH, G, D]
+    out = out.reshape(B, max_q, H, D)[seq_ids, tok_idx]
+    return out.to(q.dtype)
+
+
+_lib.impl("paged_attention", paged_attention_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::paged_attention")
+def _paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                          query_start_loc, scale):
+    return torch.empty_like(q)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                    query_start_loc, scale: float) -> torch.Tensor:
+    """Dispatches to the fastest registered kernel for q's device."""
+    return torch.ops.kiln.paged_attention(q, k, v, k_cache, v_cache, slot_mapping,
+                                          block_tables, context_lens, query_start_loc, scale)

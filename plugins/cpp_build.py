@@ -1,0 +1,83 @@
+"""Compile a plugin's C++ `torch.library` kernels into a shared library, and load one.
+
+The builder calls `build_library` and copies the .so into the plan; the runtime calls
+`load_library` on the plan's copy before loading the engine. Builds are cached by a hash of
+the sources, flags and torch version, so tests and unchanged rebuilds compile nothing.
+
+The library is compiled for the CPU vector ISA that AOTInductor picks on this machine
+(`cpu_isa()`), so a plan's kernels and its compiled graph need the same instructions.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+CACHE_ROOT = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
+
+
+def cpu_isa() -> tuple[str, list[str]]:
+    """(name, compiler flags) of the vector ISA AOTInductor compiles for here: avx512, avx2..."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    name = str(isa) if isa else "none"
+    flags = isa.build_arch_flags().split() if isa else []
+    return name, flags
+
+
+def build_library(name: str, sources: list[Path], extra_cflags: list[str] | None = None,
+                  verbose: bool = False) -> Path:
+    """Compile `sources` into lib<name>.so (cached); returns its path."""
+    from torch.utils import cpp_extension
+
+    _, isa_flags = cpu_isa()
+    cflags = ["-O3", "-std=c++17", "-fopenmp", *isa_flags, *(extra_cflags or [])]
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(Path(src).read_bytes())
+    h.update(" ".join(cflags).encode())
+    h.update(torch.__version__.encode())
+    h.update(sys.version.encode())
+    key = h.hexdigest()[:16]
+    build_dir = CACHE_ROOT / "kernels" / f"{name}-{key}"
+    lib = build_dir / f"{name}.so"
+    if lib.exists():
+        return lib
+    tmp = build_dir.with_name(build_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=cflags,
+                       extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+                       is_python_module=False, is_standalone=False, verbose=verbose)
+    # load() also dlopens the library into this process, which is what a caller wants.
+    if not (tmp / f"{name}.so").exists():
+        raise RuntimeError(f"building {name} produced no {name}.so in {tmp}")
+    _loaded.add(_digest(tmp / f"{name}.so"))
+    try:
+        os.replace(tmp, build_dir)
+    except OSError:  # another process won the race; use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return lib
+
+
+# Content digests of the libraries loaded in this process: a copy of a library (the plan's
+# copy of a kernel the builder just compiled) must not register its kernels a second time.
+_loaded: set[str] = set()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_library(path: Path) -> None:
+    """dlopen a kernel library once per process (its TORCH_LIBRARY_IMPL registrations)."""
+    digest = _digest(path)
+    if digest in _loaded:
+        return
+    torch.ops.load_library(os.path.realpath(path))
+    _loaded.add(digest)

@@ -1,0 +1,147 @@
+"""The executor: owns the paged KV pools and runs one compiled engine step on a packed batch.
+
+The engine (runtime/engine.py) hands it one `ModelInput` per step and gets logits back; the
+executor never decides policy (which sequences, which blocks) — that is the scheduler's and
+the block pool's job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from runtime.plan import Plan, PlanError, load_step_fn
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV pools: per layer, K and V of [num_blocks, tokens_per_block, kvh, d]."""
+    num_layers: int
+    num_blocks: int
+    tokens_per_block: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "fp32"
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V bytes of one block summed over all layers."""
+        elem = torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
+        return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_block * self.num_blocks
+
+    @classmethod
+    def for_budget(cls, budget_bytes: int, num_layers: int, tokens_per_block: int,
+                   num_kv_heads: int, head_dim: int, dtype: str) -> "KVLayout":
+        probe = cls(num_layers, 1, tokens_per_block, num_kv_heads, head_dim, dtype)
+        n = budget_bytes // probe.bytes_per_block
+        if n < 2:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds {n} blocks of "
+                             f"{probe.bytes_per_block} bytes; raise kv_cache.memory")
+        return cls(num_layers, int(n), tokens_per_block, num_kv_heads, head_dim, dtype)
+
+
+def available_memory() -> int:
+    """Bytes of memory available to a new allocation on this host (Linux MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def resolve_kv_budget(kv: dict) -> int:
+    """The KV pool budget in bytes from the plan's kv_cache section (bytes or a fraction)."""
+    if kv.get("budget_fraction"):
+        return int(available_memory() * kv["budget_fraction"])
+    return int(kv["budget_bytes"])
+
+
+@dataclass
+class ModelInput:
+    """The tensors of one engine step, exactly DESIGN.md's engine-step inputs."""
+    input_ids: torch.Tensor        # [T] int64  tokens, sequence after sequence
+    positions: torch.Tensor        # [T] int64  position of each token in its sequence
+    slot_mapping: torch.Tensor     # [T] int64  flat KV slot of each token
+    block_tables: torch.Tensor     # [B, max_blocks] int32
+    context_lens: torch.Tensor     # [B] int32  KV length of each sequence after this step
+    query_start_loc: torch.Tensor  # [B+1] int32
+    logits_indices: torch.Tensor   # [B] int64  last scheduled token of each sequence
+
+    @classmethod
+    def build(cls, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
+              block_tables: Sequence[Sequence[int]], tokens_per_block: int) -> "ModelInput":
+        """From, per sequence: the tokens scheduled this step, the position of the first of
+        them (= tokens already in the KV), and the sequence's block ids."""
+        B = len(token_ids)
+        lens = [len(t) for t in token_ids]
+        flat = [t for seq in token_ids for t in seq]
+        positions, slots = [], []
+        for seq_blocks, start, n in zip(block_tables, starts, lens):
+            for p in range(start, start + n):
+                positions.append(p)
+                slots.append(seq_blocks[p // tokens_per_block] * tokens_per_block
+                             + p % tokens_per_block)
+        width = max(1, max(len(b) for b in block_tables))
+        bt = torch.zeros((B, width), dtype=torch.int32)
+        for i, b in enumerate(block_tables):
+            bt[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        return cls(
+            input_ids=torch.tensor(flat, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=bt,
+            context_lens=torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            logits_indices=torch.tensor(qsl[1:], dtype=torch.int64) - 1,
+        )
+
+    def args(self) -> tuple:
+        return (self.input_ids, self.positions, self.slot_mapping, self.block_tables,
+                self.context_lens, self.query_start_loc, self.logits_indices)
+
+
+class Executor:
+    """Runs a step function over KV pools it allocates once and writes in place."""
+
+    def __init__(self, step_fn: Callable[..., torch.Tensor], layout: KVLayout,
+                 device: str = "cpu"):
+        self.step_fn = step_fn
+        self.layout = layout
+        shape = (layout.num_blocks, layout.tokens_per_block, layout.num_kv_heads,
+                 layout.head_dim)
+        dt = DTYPES[layout.dtype]
+        self.k_caches = [torch.zeros(shape, dtype=dt, device=device)
+                         for _ in range(layout.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=dt, device=device)
+                         for _ in range(layout.num_layers)]
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        """-> logits [B, vocab] float32."""
+        return self.step_fn(*batch.args(), self.k_caches, self.v_caches)
+
+    @classmethod
+    def from_plan(cls, plan: Plan, kv_budget_bytes: int | None = None) -> "Executor":
+        """Load the plan's engine and allocate its KV pools from the budget (plan's default)."""
+        cfg = plan.model_config
+        kv = plan.manifest["kv_cache"]
+        budget = kv_budget_bytes or resolve_kv_budget(kv)
+        try:
+            layout = KVLayout.for_budget(budget, cfg["num_layers"], kv["tokens_per_block"],
+                                         cfg["num_kv_heads"], cfg["head_dim"], kv["dtype"])
+        except ValueError as e:
+            raise PlanError(f"plan {plan.path}: {e}") from None
+        return cls(load_step_fn(plan), layout)

@@ -1,0 +1,435 @@
+// CPU kernel of `kiln::paged_attention` (schema and semantics: plugins/paged_kv/ops.py).
+//
+// Two parallel passes over the packed batch:
+//   1. write this step's K/V rows into their slots of the pools (in place);
+//   2. attention, one work item per (sequence, query tile, kv head, context partition):
+//
+//        rows of a work item = the tile's query tokens x the G = H/KVH heads of one kv head
+//        for each K/V block of the partition (read through block_tables, never gathered):
+//            Kt[D][bs]  <- the block's keys, transposed to float (read once per tile)
+//            S[r][c]    =  (scale * Q[r]) . Kt[:, c]       (vectorized over the keys c)
+//            online softmax (running max m, sum l) and O[r] += p[r][c] * V[c]  (float32)
+//
+// Long contexts with few work items (decode at small batch) are split into partitions of
+// whole blocks (flash-decoding); partial (O, m, l) go to one workspace and a third pass
+// merges them. Nothing is allocated per sequence or per token.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kVec = Vec::size();
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// An int32 or int64 index tensor read as int64 (the metadata may come in either dtype).
+struct Index {
+  const void* p;
+  bool is64;
+  int64_t s0, s1;
+  explicit Index(const at::Tensor& t)
+      : p(t.data_ptr()), is64(t.scalar_type() == at::kLong), s0(t.stride(0)),
+        s1(t.dim() > 1 ? t.stride(1) : 0) {}
+  int64_t operator()(int64_t i, int64_t j = 0) const {
+    const int64_t o = i * s0 + j * s1;
+    return is64 ? static_cast<const int64_t*>(p)[o] : static_cast<const int32_t*>(p)[o];
+  }
+};
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename T>
+inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * mul;
+}
+
+// y += a * x over n floats.
+inline void axpy(float* y, const float* x, float a, int64_t n) {
+  const Vec va(a);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) at::vec::fmadd(va, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < n; ++d) y[d] += a * x[d];
+}
+
+inline void scale_row(float* y, float a, int64_t n) {
+  const Vec va(a);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) (Vec::loadu(y + d) * va).store(y + d);
+  for (; d < n; ++d) y[d] *= a;
+}
+
+// s[0:ldk] = q . kt[:, 0:ldk] for 1..4 rows at once (kt is [D][ldk], ldk % kVec == 0).
+template <int NR>
+inline void scores_rows(const float* q, int64_t D, const float* kt, int64_t ldk, float* s) {
+  for (int64_t c = 0; c < ldk; c += kVec) {
+    Vec acc[NR];
+    for (int i = 0; i < NR; ++i) acc[i] = Vec(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec kv = Vec::loadu(kt + d * ldk + c);
+      for (int i = 0; i < NR; ++i) acc[i] = at::vec::fmadd(Vec(q[i * D + d]), kv, acc[i]);
+    }
+    for (int i = 0; i < NR; ++i) acc[i].store(s + i * ldk + c);
+  }
+}
+
+// One unit of attention work: rows [nq tokens x G heads] of one kv head, keys [lo, hi).
+struct Group {
+  int64_t b;          // sequence
+  int64_t t0;         // first token of the tile along T
+  int64_t nq;         // tokens in the tile
+  int64_t pos0;       // position of the tile's first token
+  int64_t kh;         // kv head
+  int64_t nparts;     // context partitions (1: write the output directly)
+  int64_t ws_off;     // offset of this group's partials in the workspace (nparts > 1)
+};
+struct Item {
+  int64_t group;
+  int64_t part;
+};
+
+struct Problem {
+  int64_t T, H, KVH, G, D, bs, ldk, max_rows, part_len;
+  int64_t q_s0, q_s1;
+  int64_t cache_tok, cache_blk;  // strides of the pools: token, block
+  float scale;
+};
+
+template <typename scalar_t, typename cache_t>
+void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t* q,
+                 const cache_t* kc, const cache_t* vc, const Index& bt, scalar_t* out,
+                 float* ws, float* qf, float* of, float* m, float* l, float* s, float* kt,
+                 float* vf) {
+  const int64_t D = P.D, G = P.G, bs = P.bs, ldk = P.ldk;
+  const int64_t R = g.nq * G;
+  const int64_t kv_end = g.pos0 + g.nq;  // keys the tile's last token sees
+  const int64_t lo = part * P.part_len;
+  const int64_t hi = std::min(kv_end, lo + P.part_len);
+
+  for (int64_t j = 0; j < g.nq; ++j)
+    for (int64_t gg = 0; gg < G; ++gg)
+      to_float(q + (g.t0 + j) * P.q_s0 + (g.kh * G + gg) * P.q_s1, qf + (j * G + gg) * D, D,
+               P.scale);
+  std::fill(of, of + R * D, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+
+  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+    const int64_t start = blk * bs;
+    const int64_t ncols = std::min(bs, hi - start);
+    const int64_t phys = bt(g.b, blk);
+    const cache_t* kb = kc + phys * P.cache_blk + g.kh * D;
+    const cache_t* vb = vc + phys * P.cache_blk + g.kh * D;
+    // Keys transposed to float [D][ldk] (zero past ncols); values as float rows [c][D].
+    for (int64_t c = 0; c < ncols; ++c) {
+      const cache_t* kr = kb + c * P.cache_tok;
+      for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = static_cast<float>(kr[d]);
+    }
+    for (int64_t c = ncols; c < ldk; ++c)
+      for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = 0.f;
+    const float* vrows;
+    int64_t vstride;
+    if constexpr (std::is_same_v<cache_t, float>) {
+      vrows = vb;
+      vstride = P.cache_tok;
+    } else {
+      for (int64_t c = 0; c < ncols; ++c) to_float(vb + c * P.cache_tok, vf + c * D, D);
+      vrows = vf;
+      vstride = D;
+    }
+    // First row (in tile order) that sees any key of this block: rows of token j see
+    // positions <= pos0 + j.
+    const int64_t j_first = std::max<int64_t>(0, start - g.pos0);
+    int64_t r = j_first * G;
+    for (; r + 4 <= R; r += 4) scores_rows<4>(qf + r * D, D, kt, ldk, s + r * ldk);
+    for (; r < R; ++r) scores_rows<1>(qf + r * D, D, kt, ldk, s + r * ldk);
+
+    for (r = j_first * G; r < R; ++r) {
+      const int64_t pos = g.pos0 + r / G;
+      const int64_t nvalid = std::min(ncols, pos - start + 1);
+      float* sr = s + r * ldk;
+      float mx = m[r];
+      for (int64_t c = 0; c < nvalid; ++c) mx = std::max(mx, sr[c]);
+      const float corr = std::exp(m[r] - mx);  // 0 on the first block seen (m = -inf)
+      float sum = 0.f;
+      int64_t c = 0;
+      const Vec vmx(mx);
+      for (; c + kVec <= nvalid; c += kVec) {
+        const Vec e = (Vec::loadu(sr + c) - vmx).exp();
+        e.store(sr + c);
+        sum += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, e);
+      }
+      for (; c < nvalid; ++c) {
+        sr[c] = std::exp(sr[c] - mx);
+        sum += sr[c];
+      }
+      m[r] = mx;
+      l[r] = l[r] * corr + sum;
+      float* orow = of + r * D;
+      if (corr != 1.f) scale_row(orow, corr, D);
+      for (c = 0; c < nvalid; ++c) axpy(orow, vrows + c * vstride, sr[c], D);
+    }
+  }
+
+  if (g.nparts == 1) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float inv = 1.f / l[r];
+      scalar_t* dst = out + ((g.t0 + r / G) * P.H + g.kh * G + r % G) * D;
+      const float* src = of + r * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
+    }
+  } else {  // partial: [O (R*D) | m (R) | l (R)] per partition
+    float* w = ws + g.ws_off + part * R * (D + 2);
+    std::copy(of, of + R * D, w);
+    std::copy(m, m + R, w + R * D);
+    std::copy(l, l + R, w + R * D + R);
+  }
+}
+
+template <typename scalar_t>
+void merge_group(const Problem& P, const Group& g, const float* ws, scalar_t* out, float* acc) {
+  const int64_t D = P.D, G = P.G, R = g.nq * G, stride = R * (D + 2);
+  const float* base = ws + g.ws_off;
+  for (int64_t r = 0; r < R; ++r) {
+    float M = kNegInf;
+    for (int64_t p = 0; p < g.nparts; ++p) M = std::max(M, base[p * stride + R * D + r]);
+    float L = 0.f;
+    std::fill(acc, acc + D, 0.f);
+    for (int64_t p = 0; p < g.nparts; ++p) {
+      const float mp = base[p * stride + R * D + r];
+      if (mp == kNegInf) continue;  // no key of this partition is visible to row r
+      const float w = std::exp(mp - M);
+      L += w * base[p * stride + R * D + R + r];
+      axpy(acc, base + p * stride + r * D, w, D);
+    }
+    const float inv = 1.f / L;
+    scalar_t* dst = out + ((g.t0 + r / G) * P.H + g.kh * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+  }
+}
+
+template <typename scalar_t, typename cache_t>
+void write_kv(const Problem& P, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+              at::Tensor& v_cache, const Index& slots) {
+  const scalar_t* kp = k.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  cache_t* kc = k_cache.data_ptr<cache_t>();
+  cache_t* vc = v_cache.data_ptr<cache_t>();
+  const int64_t KVH = P.KVH, D = P.D;
+  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  at::parallel_for(0, P.T * KVH, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / KVH, h = i % KVH;
+      const int64_t dst = slots(t) * P.cache_tok + h * D;
+      const scalar_t* ks = kp + t * ks0 + h * ks1;
+      const scalar_t* vs = vp + t * vs0 + h * vs1;
+      for (int64_t d = 0; d < D; ++d) {
+        kc[dst + d] = static_cast<cache_t>(static_cast<float>(ks[d]));
+        vc[dst + d] = static_cast<cache_t>(static_cast<float>(vs[d]));
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename cache_t>
+void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         at::Tensor& k_cache, at::Tensor& v_cache, const Index& slots, const Index& bt,
+         const std::vector<Group>& groups, const std::vector<Item>& items, int64_t ws_size,
+         at::Tensor& out) {
+  write_kv<scalar_t, cache_t>(P, k, v, k_cache, v_cache, slots);
+
+  at::Tensor ws_t = at::empty({std::max<int64_t>(ws_size, 1)}, q.options().dtype(at::kFloat));
+  float* ws = ws_t.data_ptr<float>();
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const cache_t* kc = k_cache.data_ptr<cache_t>();
+  const cache_t* vc = v_cache.data_ptr<cache_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t R = P.max_rows, D = P.D;
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    // Scratch for this thread's chunk of items: Q tile, O tile, m, l, scores, K^T, V.
+    std::vector<float> buf(2 * R * D + 2 * R + R * P.ldk + D * P.ldk + P.bs * D);
+    float* qf = buf.data();
+    float* of = qf + R * D;
+    float* m = of + R * D;
+    float* l = m + R;
+    float* s = l + R;
+    float* kt = s + R * P.ldk;
+    float* vf = kt + D * P.ldk;
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      attend_item<scalar_t, cache_t>(P, groups[it.group], it.part, qp, kc, vc, bt, op, ws, qf,
+                                     of, m, l, s, kt, vf);
+    }
+  });
+
+  if (ws_size > 0) {
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(D);
+      for (int64_t i = begin; i < end; ++i)
+        if (groups[i].nparts > 1) merge_group<scalar_t>(P, groups[i], ws, op, acc.data());
+    });
+  }
+}
+
+void check_index(const at::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), "paged_attention: ", name, " must be a CPU tensor, got ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == at::kLong || t.scalar_type() == at::kInt, "paged_attention: ",
+              name, " must be int32 or int64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "paged_attention: ", name, " must have ", dim,
+              " dims, got shape ", t.sizes());
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                               const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
+                               const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, const at::Tensor& query_start_loc,
+                               double scale) {
+  // ---- shapes, dtypes, layout
+  TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D], got shape ", q_in.sizes());
+  TORCH_CHECK(k_in.dim() == 3 && v_in.dim() == 3,
+              "paged_attention: k and v must be [T, KVH, D], got ", k_in.sizes(), " and ",
+              v_in.sizes());
+  TORCH_CHECK(k_cache.dim() == 4,
+              "paged_attention: k_cache must be [num_blocks, block_size, KVH, D], got shape ",
+              k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "paged_attention: v_cache shape ",
+              v_cache.sizes(), " differs from k_cache shape ", k_cache.sizes());
+  const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
+  const int64_t NB = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "paged_attention: cache head_dim ", k_cache.size(3),
+              " differs from q head_dim ", D);
+  TORCH_CHECK(k_in.size(0) == T && k_in.size(1) == KVH && k_in.size(2) == D &&
+                  v_in.sizes() == k_in.sizes(),
+              "paged_attention: k and v must be [T=", T, ", KVH=", KVH, ", D=", D, "], got ",
+              k_in.sizes(), " and ", v_in.sizes());
+  TORCH_CHECK(KVH > 0 && H % KVH == 0, "paged_attention: num heads H=", H,
+              " must be a multiple of kv heads KVH=", KVH);
+  TORCH_CHECK(bs > 0 && D > 0, "paged_attention: empty block size or head dim");
+  TORCH_CHECK(q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16,
+              "paged_attention (CPU): q must be float32 or bfloat16, got ", q_in.scalar_type());
+  TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
+              "paged_attention: q, k, v must share a dtype, got ", q_in.scalar_type(), ", ",
+              k_in.scalar_type(), ", ", v_in.scalar_type());
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
+              "paged_attention (CPU): k_cache and v_cache must both be float32 or bfloat16, got ",
+              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_attention: k_cache and v_cache must be contiguous (they are written in place)");
+  TORCH_CHECK(k_in.device().is_cpu() && v_in.device().is_cpu() && k_cache.device().is_cpu() &&
+                  v_cache.device().is_cpu(),
+              "paged_attention (CPU): q, k, v and the caches must all be CPU tensors");
+  check_index(slot_mapping, "slot_mapping", 1);
+  check_index(block_tables, "block_tables", 2);
+  check_index(context_lens, "context_lens", 1);
+  check_index(query_start_loc, "query_start_loc", 1);
+  const int64_t B = context_lens.size(0), MB = block_tables.size(1);
+  TORCH_CHECK(slot_mapping.size(0) == T, "paged_attention: slot_mapping has ",
+              slot_mapping.size(0), " entries for T=", T, " tokens");
+  TORCH_CHECK(query_start_loc.size(0) == B + 1, "paged_attention: query_start_loc has ",
+              query_start_loc.size(0), " entries, expected B+1=", B + 1,
+              " (B = context_lens.size(0))");
+  TORCH_CHECK(block_tables.size(0) == B, "paged_attention: block_tables has ",
+              block_tables.size(0), " rows for B=", B, " sequences");
+  // q/k/v may be strided views (a split of a fused qkv projection); rows must be dense.
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
+  const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
+
+  // ---- metadata values (host loops over B and T; no allocation)
+  const Index qsl(query_start_loc), cl(context_lens), bt(block_tables), slots(slot_mapping);
+  TORCH_CHECK(qsl(0) == 0 && qsl(B) == T, "paged_attention: query_start_loc must run from 0 to T=",
+              T, ", got ", qsl(0), "..", qsl(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qsl(b + 1) - qsl(b), ctx = cl(b);
+    TORCH_CHECK(nq >= 0, "paged_attention: query_start_loc must be non-decreasing (sequence ", b,
+                ")");
+    TORCH_CHECK(ctx >= nq, "paged_attention: context_lens[", b, "]=", ctx,
+                " is less than the sequence's ", nq, " tokens this step");
+    TORCH_CHECK(ctx <= MB * bs, "paged_attention: context_lens[", b, "]=", ctx,
+                " exceeds block_tables capacity ", MB, " blocks x ", bs);
+    if (nq == 0) continue;
+    for (int64_t i = 0; i < ceil_div(ctx, bs); ++i) {
+      const int64_t id = bt(b, i);
+      TORCH_CHECK(id >= 0 && id < NB, "paged_attention: block_tables[", b, ", ", i, "]=", id,
+                  " is outside the pool of ", NB, " blocks");
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t sl = slots(t);
+    TORCH_CHECK(sl >= 0 && sl < NB * bs, "paged_attention: slot_mapping[", t, "]=", sl,
+                " is outside the pool of ", NB * bs, " slots");
+  }
+
+  // ---- work items
+  Problem P;
+  P.T = T; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = bs;
+  P.ldk = ceil_div(bs, kVec) * kVec;
+  P.q_s0 = q.stride(0); P.q_s1 = q.stride(1);
+  P.cache_tok = KVH * D; P.cache_blk = bs * KVH * D;
+  P.scale = static_cast<float>(scale);
+  const int64_t tq = std::max<int64_t>(1, 32 / P.G);  // query tokens per tile
+  P.max_rows = tq * P.G;
+  int64_t base_groups = 0, max_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    base_groups += ceil_div(qsl(b + 1) - qsl(b), tq) * KVH;
+    max_ctx = std::max(max_ctx, cl(b));
+  }
+  // Too few items to keep every thread busy: split contexts into whole-block partitions.
+  const int64_t threads = at::get_num_threads();
+  P.part_len = std::numeric_limits<int64_t>::max() / 2;
+  if (base_groups > 0 && base_groups < 4 * threads) {
+    const int64_t want = ceil_div(8 * threads, base_groups);  // partitions per group
+    const int64_t len = std::max<int64_t>(ceil_div(max_ctx, want), 128);
+    P.part_len = ceil_div(len, bs) * bs;
+  }
+  std::vector<Group> groups;
+  std::vector<Item> items;
+  groups.reserve(base_groups);
+  items.reserve(base_groups);
+  int64_t ws_size = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q0 = qsl(b), nq_all = qsl(b + 1) - q0, first = cl(b) - nq_all;
+    for (int64_t j = 0; j < nq_all; j += tq) {
+      const int64_t nq = std::min(tq, nq_all - j);
+      const int64_t nparts = ceil_div(first + j + nq, P.part_len);
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        Group g{b, q0 + j, nq, first + j, kh, nparts, 0};
+        if (nparts > 1) {
+          g.ws_off = ws_size;
+          ws_size += nparts * nq * P.G * (D + 2);
+        }
+        for (int64_t p = 0; p < nparts; ++p)
+          items.push_back({static_cast<int64_t>(groups.size()), p});
+        groups.push_back(g);
+      }
+    }
+  }
+
+  at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
+  const bool c_bf16 = k_cache.scalar_type() == at::kBFloat16;
+  using bf16 = c10::BFloat16;
+  if (!q_bf16 && !c_bf16)
+    run<float, float>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+  else if (!q_bf16 && c_bf16)
+    run<float, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+  else if (q_bf16 && !c_bf16)
+    run<bf16, float>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+  else
+    run<bf16, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_attention", paged_attention_cpu); }

@@ -1,0 +1,177 @@
+"""The compiled CPU kernel of kiln::paged_attention against the pure-torch reference."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from plugins.paged_kv import kernels
+from plugins.paged_kv.ops import paged_attention_reference
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernel():
+    kernels.load()  # compiles once per source/flags/torch (cached), then registers for CPU
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor             # [T, H, D]
+    k: torch.Tensor             # [T, KVH, D]
+    v: torch.Tensor
+    k_cache: torch.Tensor       # [num_blocks, bs, KVH, D]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, max_blocks]
+    context_lens: torch.Tensor  # [B]
+    query_start_loc: torch.Tensor  # [B+1]
+    scale: float
+
+    def args(self, k_cache=None, v_cache=None):
+        return (self.q, self.k, self.v,
+                self.k_cache if k_cache is None else k_cache,
+                self.v_cache if v_cache is None else v_cache,
+                self.slot_mapping, self.block_tables, self.context_lens, self.query_start_loc,
+                self.scale)
+
+
+def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float32,
+               max_seq_len=2048, seed=0) -> Batch:
+    """seqs: [(tokens already in the pool, tokens this step)]; blocks shuffled over the pool."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = math.ceil(max_seq_len / bs)
+    need = [math.ceil((c + n) / bs) for c, n in seqs]
+    num_blocks = sum(need) + 5  # spare blocks that nobody owns must stay untouched
+    perm = torch.randperm(num_blocks, generator=g)
+    # Unused table entries hold real (foreign) block ids: the kernel must not read them.
+    bt = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=g)
+    slots, qsl, off = [], [0], 0
+    for b, ((ctx, n), nb) in enumerate(zip(seqs, need)):
+        bt[b, :nb] = perm[off:off + nb]
+        off += nb
+        for p in range(ctx, ctx + n):
+            slots.append(int(bt[b, p // bs]) * bs + p % bs)
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1]
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return Batch(
+        q=rnd(T, H, D).to(dtype), k=rnd(T, KVH, D).to(dtype), v=rnd(T, KVH, D).to(dtype),
+        k_cache=rnd(num_blocks, bs, KVH, D).to(cache_dtype),
+        v_cache=rnd(num_blocks, bs, KVH, D).to(cache_dtype),
+        slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=bt,
+        context_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.long),
+        query_start_loc=torch.tensor(qsl, dtype=torch.long), scale=1.0 / math.sqrt(D))
+
+
+def check(batch: Batch, atol=1e-4, rtol=1e-4):
+    """Kernel == reference; both pools equal the original except in exactly the step's slots."""
+    kc0, vc0 = batch.k_cache.clone(), batch.v_cache.clone()
+    ref_k, ref_v = kc0.clone(), vc0.clone()
+    ref = paged_attention_reference(*batch.args(ref_k, ref_v))
+    k_ptr = batch.k_cache.data_ptr()
+    out = torch.ops.kiln.paged_attention(*batch.args())
+    assert batch.k_cache.data_ptr() == k_ptr
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+    KVH, D = kc0.shape[2], kc0.shape[3]
+    for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
+        expect = orig.clone()
+        expect.view(-1, KVH, D)[batch.slot_mapping] = new.to(orig.dtype)
+        assert torch.equal(pool, expect)
+    assert torch.equal(batch.k_cache, ref_k) and torch.equal(batch.v_cache, ref_v)
+    return out
+
+
+MIXED = [(0, 37), (100, 50), (500, 1), (2047, 1), (0, 1), (13, 3), (300, 64), (5, 0)]
+
+
+@pytest.mark.parametrize("H,KVH,D,bs", [
+    (4, 4, 64, 16),     # MHA
+    (9, 3, 64, 8),      # SmolLM2-135M heads
+    (8, 2, 128, 32),
+    (8, 1, 48, 64),     # odd head dim, single kv head
+    (12, 4, 128, 16),
+    (16, 2, 48, 8),
+])
+def test_mixed_prefill_and_decode(H, KVH, D, bs):
+    check(make_batch(MIXED, H, KVH, D, bs, seed=H * 1000 + D + bs))
+
+
+@pytest.mark.parametrize("seqs", [
+    [(2047, 1)],                               # one long decode: context split into parts
+    [(511, 1)] * 32,                           # decode batch
+    [(0, 512)],                                # one long prefill chunk, many query tiles
+    [(1000, 300), (7, 1)],                     # chunk with earlier context + decode
+    [(0, 1)],
+], ids=["decode1-2048", "decode32-512", "prefill512", "chunk-after-context", "first-token"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_shapes_and_splits(seqs, threads):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check(make_batch(seqs, 9, 3, 64, 16, seed=len(seqs)))
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+])
+def test_bf16(dtype, cache_dtype):
+    b = make_batch(MIXED, 8, 2, 64, 16, dtype=dtype, cache_dtype=cache_dtype, seed=7)
+    check(b, atol=2e-2, rtol=2e-2)
+
+
+def test_int32_metadata_and_strided_qkv():
+    b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
+    T, H, KVH, D = b.q.shape[0], 9, 3, 64
+    # q, k, v as views of one fused projection (what the Llama model passes)
+    qkv = torch.randn(T, (H + 2 * KVH) * D)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    b.q, b.k, b.v = q.view(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+    assert not b.v.is_contiguous()
+    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
+    ref = paged_attention_reference(*b.args(ref_k, ref_v))
+    out = torch.ops.kiln.paged_attention(
+        b.q, b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping.int(), b.block_tables.int(),
+        b.context_lens.int(), b.query_start_loc.int(), b.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
+
+
+def _call(b: Batch, **over):
+    a = dict(zip(["q", "k", "v", "k_cache", "v_cache", "slot_mapping", "block_tables",
+                  "context_lens", "query_start_loc", "scale"], b.args()))
+    a.update(over)
+    return torch.ops.kiln.paged_attention(*a.values())
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: dict(q=b.q[:, :5]), "multiple of kv heads"),
+    (lambda b: dict(query_start_loc=b.query_start_loc[:-1]), "B\\+1"),
+    (lambda b: dict(k_cache=b.k_cache.transpose(1, 2).contiguous().transpose(1, 2)),
+     "contiguous"),
+    (lambda b: dict(q=b.q.half(), k=b.k.half(), v=b.v.half()), "float32 or bfloat16"),
+    (lambda b: dict(k=b.k.bfloat16()), "share a dtype"),
+    (lambda b: dict(v_cache=b.v_cache.bfloat16()), "k_cache and v_cache"),
+    (lambda b: dict(q=b.q[..., :32]), "head_dim"),
+    (lambda b: dict(slot_mapping=b.slot_mapping.float()), "int32 or int64"),
+    (lambda b: dict(slot_mapping=b.slot_mapping + 10**6), "outside the pool"),
+    (lambda b: dict(block_tables=b.block_tables + 10**6), "outside the pool"),
+    (lambda b: dict(context_lens=torch.tensor([3, 0])), "less than"),
+    (lambda b: dict(context_lens=b.context_lens + 10**5), "capacity"),
+    (lambda b: dict(q=b.q[:-1]), "k and v must be"),
+], ids=["heads", "qsl-size", "cache-layout", "fp16", "qkv-dtypes", "cache-dtypes",
+        "head-dim", "index-dtype", "bad-slot", "bad-block", "short-context", "long-context",
+        "token-count"])
+def test_bad_inputs_raise(change, match):
+    b = make_batch([(10, 4), (3, 1)], 8, 2, 64, 16)
+    with pytest.raises(RuntimeError, match=match):
+        _call(b, **change(b))

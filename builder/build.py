@@ -1,0 +1,203 @@
+"""`kiln build`: spec -> frozen, verified plan directory.
+
+    load spec -> open checkpoint -> fingerprint (up to date? stop) -> load weights (streamed)
+    -> quantize -> build kernels -> torch.export -> AOTInductor -> check the compiled step
+    against the eager model -> manifest with checksums -> atomic rename into place
+
+Everything is written into a temporary sibling directory; the rename at the end is the only
+step that touches the output path, so a failed or interrupted build leaves nothing there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from builder import compile as kcompile
+from builder.fingerprint import build_target, fingerprint, fingerprint_inputs, toolchain
+from builder.progress import Progress
+from builder.spec import Spec, SpecError, load_spec, parse_memory
+from runtime.plan import FORMAT_VERSION, MANIFEST, read_manifest, sha256_file
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class BuildError(RuntimeError):
+    """A build that failed for a reason a person can act on."""
+
+
+@dataclass
+class BuildResult:
+    path: Path
+    fingerprint: str
+    rebuilt: bool
+    reason: str
+    seconds: float
+    manifest: dict
+
+
+def default_output(spec: Spec) -> Path:
+    return Path("plans") / spec.name
+
+
+def check_spec_against_model(spec: Spec, cfg) -> None:
+    """Cross-checks that need the model's config (the spec alone cannot know them)."""
+    problems = []
+    if spec.limits.max_seq_len > cfg.max_position_embeddings:
+        problems.append(("limits.max_seq_len", f"{spec.limits.max_seq_len} is beyond the "
+                         f"model's context of {cfg.max_position_embeddings} tokens; allowed: "
+                         f"16..{cfg.max_position_embeddings}"))
+    if problems:
+        raise SpecError(spec.name, problems)
+
+
+def plan_fingerprint(spec: Spec, ckpt) -> tuple[str, dict]:
+    inputs = fingerprint_inputs(spec, ckpt.weights_digest)
+    return fingerprint(inputs), inputs
+
+
+def is_up_to_date(out: Path, fp: str) -> bool:
+    """A plan at `out` with this fingerprint whose files are all present at their sizes."""
+    try:
+        manifest = read_manifest(out)
+    except Exception:
+        return False
+    if manifest.get("fingerprint") != fp or manifest.get("format_version") != FORMAT_VERSION:
+        return False
+    return all((out / rel).is_file() and (out / rel).stat().st_size == meta["size"]
+               for rel, meta in manifest.get("files", {}).items())
+
+
+def kv_budget(spec: Spec) -> dict:
+    kind, value = parse_memory(spec.kv_cache.memory)
+    if kind == "bytes":
+        return {"budget_bytes": int(value), "budget_fraction": None}
+    return {"budget_bytes": None, "budget_fraction": float(value)}
+
+
+def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
+          force: bool = False, progress: Progress | None = None) -> BuildResult:
+    """Build the plan for a spec (or report it up to date). Raises SpecError/BuildError."""
+    from builder.sources import open_checkpoint
+
+    t0 = time.perf_counter()
+    progress = progress or Progress()
+    spec = load_spec(spec_path)
+    out = Path(out) if out else default_output(spec)
+    ckpt = open_checkpoint(spec.model)
+    check_spec_against_model(spec, ckpt.config)
+    fp, fp_inputs = plan_fingerprint(spec, ckpt)
+    if not force and is_up_to_date(out, fp):
+        manifest = read_manifest(out)
+        return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        manifest = _build_into(tmp, spec, spec_path, ckpt, fp, fp_inputs, progress)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress.done(f"plan written to {out}")
+    return BuildResult(out, fp, True, "built", time.perf_counter() - t0, manifest)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move tmp to out; an existing plan at out is swapped out, then removed."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict,
+                progress: Progress) -> dict:
+    from builder.sources import load_model
+
+    cfg = ckpt.config
+    progress.stage(f"loading weights: {ckpt.source_desc}")
+    model = load_model(ckpt, dtype=DTYPES.get(spec.precision.weights, torch.float32),
+                       progress=progress)
+    model.eval()
+
+    quant_info = {"weights": spec.precision.weights, "scheme": None}
+    if spec.precision.weights in ("int8", "int4", "fp8"):
+        from builder.quantize import quantize_model
+
+        progress.stage(f"quantizing to {spec.precision.weights}")
+        quant_info = quantize_model(model, spec.precision.weights,
+                                    group_size=spec.precision.group_size or 128,
+                                    keep_high_precision=spec.precision.keep_high_precision)
+
+    progress.stage("building kernels")
+    kernels = kcompile.build_kernels(tmp / "kernels", spec)
+
+    limits = spec.limits
+    max_blocks = math.ceil(limits.max_seq_len / spec.kv_cache.tokens_per_block)
+    kv_dtype = spec.kv_dtype
+    progress.stage(f"capturing the engine step (torch.export, backend {spec.target.backend})")
+    captured = kcompile.capture(model, limits.max_num_tokens, limits.max_batch_size, max_blocks,
+                                spec.kv_cache.tokens_per_block, DTYPES[kv_dtype])
+    progress.stage("compiling ahead of time (AOTInductor)" if spec.target.backend == "aoti"
+                   else "saving the exported program (eager backend)")
+    engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend)
+    del captured
+
+    progress.stage("checking the compiled step against the eager model")
+    check = kcompile.check_engine(model, tmp, engine_file, kernels, spec, DTYPES[kv_dtype])
+    del model
+
+    (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
+    (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
+
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        rel = f.relative_to(tmp).as_posix()
+        files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "name": spec.name,
+        "fingerprint": fp,
+        "fingerprint_inputs": fp_inputs,
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "spec_path": os.path.relpath(spec_path) if not os.path.isabs(str(spec_path)) else str(spec_path),
+        "spec": spec.canonical(),
+        "model": {
+            "family": cfg.family,
+            "config": cfg.to_dict(),
+            "num_parameters": cfg.num_parameters,
+            "source": ckpt.source_desc,
+            "source_path": getattr(ckpt, "source_path", None),
+            "weights_digest": ckpt.weights_digest,
+        },
+        "target": build_target(spec),
+        "toolchain": toolchain(),
+        "precision": {"weights": spec.precision.weights, "kv_cache": kv_dtype,
+                      "activations": spec.precision.activations, "quantization": quant_info},
+        "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
+                   "max_input_len": limits.input_len, "max_num_tokens": limits.max_num_tokens},
+        "kv_cache": {"tokens_per_block": spec.kv_cache.tokens_per_block, "dtype": kv_dtype,
+                     "memory": spec.kv_cache.memory, **kv_budget(spec)},
+        "scheduler": spec.scheduler.model_dump(mode="json"),
+        "engine": {"backend": spec.target.backend, "file": engine_file.name,
+                   "kernels": [k.relative_to(tmp).as_posix() for k in kernels],
+                   "plugins": ["paged_kv"] + (["quant"] if quant_info.get("scheme") else []),
+                   "inputs": list(kcompile.INPUT_NAMES)},
+        "check": check,
+        "accuracy": None,
+        "files": files,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return manifest

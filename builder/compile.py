@@ -1,0 +1,146 @@
+"""Graph capture and compile backends: torch.export the packed-token step, AOTInductor it.
+
+Dynamic dims (DESIGN.md): T up to max_num_tokens, B up to max_batch_size, max_blocks up to
+ceil(max_seq_len / tokens_per_block), and the pool's num_blocks unbounded, so the runtime
+sizes the KV pool from its memory budget at load without a rebuild.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from runtime.executor import KVLayout, ModelInput
+
+INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
+               "query_start_loc", "logits_indices", "k_caches", "v_caches")
+
+
+def build_kernels(out_dir: Path, spec) -> list[Path]:
+    """Compile the plugins' C++ kernels for this target and copy them into the plan."""
+    libs = []
+    if spec.target.is_gpu:
+        return libs
+    from plugins.paged_kv import kernels as pa_kernels
+
+    libs.append(pa_kernels.build())
+    if spec.precision.weights in ("int8", "int4", "fp8"):
+        from plugins.quant import kernels as q_kernels
+
+        libs.append(q_kernels.build())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for lib in libs:
+        dst = out_dir / lib.name
+        shutil.copyfile(lib, dst)
+        copied.append(dst)
+    from plugins.cpp_build import load_library
+
+    for lib in copied:  # registers the kernels in this process (a no-op if already loaded)
+        load_library(lib)
+    return copied
+
+
+def _dim(name: str, lo: int, hi: int):
+    """A dynamic dim, or None (static) when the range is a single value."""
+    return Dim(name, min=lo, max=hi) if hi > lo else None
+
+
+def sample_input(T: int, B: int, tokens_per_block: int) -> ModelInput:
+    """A small packed batch of B sequences sharing T tokens (chunk + decodes)."""
+    lens = [T - (B - 1)] + [1] * (B - 1)
+    starts = [0] + [3] * (B - 1)
+    tables = [[2 * i, 2 * i + 1] for i in range(B)]
+    toks = [[(7 * i + j) % 50 for j in range(n)] for i, n in enumerate(lens)]
+    return ModelInput.build(toks, starts, tables, tokens_per_block)
+
+
+def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, max_blocks: int,
+            tokens_per_block: int, kv_dtype: torch.dtype):
+    """torch.export the engine step with dynamic dims bounded by the limits."""
+    cfg = model.cfg
+    B = min(2, max_batch_size)
+    T = min(max(B, 8), max_num_tokens) if max_num_tokens >= 2 else 1
+    num_blocks = max(4, 2 * B)
+    inp = sample_input(T, B, tokens_per_block)
+    layout = KVLayout(cfg.num_layers, num_blocks, tokens_per_block, cfg.num_kv_heads,
+                      cfg.head_dim)
+    shape = (layout.num_blocks, tokens_per_block, cfg.num_kv_heads, cfg.head_dim)
+    kc = [torch.zeros(shape, dtype=kv_dtype) for _ in range(cfg.num_layers)]
+    vc = [torch.zeros(shape, dtype=kv_dtype) for _ in range(cfg.num_layers)]
+    t_dim = _dim("T", 1, max_num_tokens)
+    b_dim = _dim("B", 1, max_batch_size)
+    mb_dim = _dim("max_blocks", 1, max_blocks)
+    nb_dim = Dim("num_blocks", min=2, max=1 << 24)
+    per_tok = {0: t_dim} if t_dim is not None else None
+    per_seq = {0: b_dim} if b_dim is not None else None
+    dynamic_shapes = (
+        per_tok, per_tok, per_tok,
+        {k: v for k, v in ((0, b_dim), (1, mb_dim)) if v is not None} or None,
+        per_seq,
+        {0: b_dim + 1} if b_dim is not None else None,
+        per_seq,
+        [{0: nb_dim}] * cfg.num_layers,
+        [{0: nb_dim}] * cfg.num_layers,
+    )
+    with torch.no_grad():
+        return torch.export.export(model, (*inp.args(), kc, vc), dynamic_shapes=dynamic_shapes)
+
+
+def compile_engine(ep, path: Path, backend: str) -> Path:
+    """AOTInductor-compile the exported program into `path` (or save it uncompiled)."""
+    if backend == "aoti":
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    elif backend == "eager":
+        torch.export.save(ep, str(path))
+    else:
+        raise ValueError(f"backend {backend!r} is not supported; allowed: aoti, eager")
+    return path
+
+
+@torch.no_grad()
+def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kernels, spec,
+                 kv_dtype: torch.dtype) -> dict:
+    """Run the compiled step and the eager model on the same batches; they must agree.
+
+    Two steps over the same pool (a prefill chunk, then decodes) so the in-place KV writes of
+    the compiled step are exercised too. Returns the max logit difference.
+    """
+    from runtime.plan import Plan, load_step_fn
+
+    cfg = model.cfg
+    bs = spec.kv_cache.tokens_per_block
+    engine = {"backend": spec.target.backend, "file": engine_file.name,
+              "kernels": [k.relative_to(plan_dir).as_posix() for k in kernels],
+              "plugins": ["paged_kv"] + (["quant"] if spec.precision.weights in
+                                         ("int8", "int4", "fp8") else [])}
+    step = load_step_fn(Plan(plan_dir, {"engine": engine}))
+    B = min(3, spec.limits.max_batch_size)
+    chunk = min(spec.limits.max_num_tokens - (B - 1), 12, spec.limits.max_seq_len - 2)
+    lens = [chunk] + [1] * (B - 1)
+    num_blocks = 4 * B + 8
+    pools = []
+    for _ in range(2):
+        shape = (num_blocks, bs, cfg.num_kv_heads, cfg.head_dim)
+        pools.append(([torch.zeros(shape, dtype=kv_dtype) for _ in range(cfg.num_layers)],
+                      [torch.zeros(shape, dtype=kv_dtype) for _ in range(cfg.num_layers)]))
+    g = torch.Generator().manual_seed(0)
+    tables = [[1 + 4 * i + j for j in range(4)][::-1] for i in range(B)]
+    worst = 0.0
+    starts = [0] * B
+    for _ in range(2):
+        toks = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
+        inp = ModelInput.build(toks, starts, tables, bs)
+        ref = model(*inp.args(), *pools[0])
+        got = step(*inp.args(), *pools[1])
+        worst = max(worst, (ref - got).abs().max().item())
+        starts = [s + n for s, n in zip(starts, lens)]
+        lens = [1] * B
+    tol = 1e-3 if kv_dtype == torch.float32 and spec.precision.weights == "fp32" else 5e-2
+    if not worst <= tol:
+        raise RuntimeError(f"the compiled engine disagrees with the eager model: max logit "
+                           f"difference {worst:.3g} > {tol}; this is a compiler bug, the plan "
+                           "was not written (try target.backend: eager to debug)")
+    return {"max_logit_diff": worst, "tolerance": tol}

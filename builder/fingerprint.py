@@ -1,0 +1,52 @@
+"""The plan fingerprint: a hash of everything that determines a plan.
+
+Inputs: the canonical spec, a digest of the source weights, the kiln and torch versions,
+and the target (device, CPU arch and ISA, or compute capability). Same fingerprint = same
+plan; any change = rebuild. `fingerprint_inputs` is returned alongside so a report can say
+*which* input changed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sys
+
+import torch
+
+import kiln
+from builder.spec import Spec
+from plugins.cpp_build import cpu_isa
+
+
+def toolchain() -> dict:
+    return {"kiln": kiln.__version__, "torch": torch.__version__,
+            "python": ".".join(map(str, sys.version_info[:3]))}
+
+
+def build_target(spec: Spec) -> dict:
+    """The concrete target a plan is compiled for on this build machine."""
+    if spec.target.is_gpu:
+        return {"device": spec.target.device, "arch": platform.machine(),
+                "compute_capability": spec.target.compute_capability, "isa": "none"}
+    isa, flags = cpu_isa()
+    return {"device": "cpu", "arch": platform.machine(), "isa": isa, "isa_flags": flags,
+            "compute_capability": None}
+
+
+def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = None,
+                       tools: dict | None = None) -> dict:
+    tools = tools or toolchain()
+    target = target or build_target(spec)
+    spec_data = spec.canonical()
+    return {
+        "spec": hashlib.sha256(json.dumps(spec_data, sort_keys=True).encode()).hexdigest(),
+        "weights": weights_digest,
+        # python is not an input: neither the compiled engine nor the kernels embed it
+        "toolchain": {"kiln": tools["kiln"], "torch": tools["torch"]},
+        "target": {k: target.get(k) for k in ("device", "arch", "isa", "compute_capability")},
+    }
+
+
+def fingerprint(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,111 @@
+"""The `kiln` command. A thin layer: the builder is imported only inside building commands,
+so `kiln serve` / `kiln generate` run where only the runtime's dependencies are installed."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Kiln: build LLM inference plans ahead of time, then serve them.")
+
+
+def _fail(message: str, code: int = 1):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def build(spec: Path = typer.Argument(..., help="the spec YAML"),
+          out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                             help="plan directory (default plans/NAME)"),
+          force: bool = typer.Option(False, "--force", help="rebuild even if up to date"),
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output")):
+    """Build a plan from a spec (skipped when the plan is up to date)."""
+    from builder.build import BuildError, build as do_build
+    from builder.progress import Progress
+    from builder.sources import CheckpointError
+    from builder.spec import SpecError
+
+    try:
+        res = do_build(spec, out, force=force, progress=Progress(enabled=not quiet))
+    except SpecError as e:
+        _fail(str(e), 2)
+    except (CheckpointError, BuildError) as e:
+        _fail(str(e), 1)
+    if res.rebuilt:
+        typer.echo(f"built {res.path} (fingerprint {res.fingerprint[:16]}) in {res.seconds:.1f}s")
+    else:
+        typer.echo(f"{res.path} is up to date (fingerprint {res.fingerprint[:16]}); "
+                   "use --force to rebuild")
+
+
+@app.command()
+def inspect(plan: Path = typer.Argument(..., help="a plan directory"),
+            as_json: bool = typer.Option(False, "--json", help="the whole manifest as JSON")):
+    """Show a plan's manifest."""
+    from runtime.inspect import describe
+    from runtime.plan import PlanError, read_manifest
+
+    try:
+        manifest = read_manifest(plan)
+    except PlanError as e:
+        _fail(str(e))
+    if as_json:
+        typer.echo(json.dumps(manifest, indent=2, sort_keys=True))
+    else:
+        typer.echo(describe(manifest, plan))
+
+
+@app.command()
+def verify(plan: Path = typer.Argument(..., help="a plan directory")):
+    """Verify a plan loads here (format, target, toolchain, checksums) and generates;
+    re-runs the accuracy gate when the plan has one."""
+    from runtime.plan import PlanError, load_plan
+    from runtime.verify import verify_plan
+
+    try:
+        p = load_plan(plan)
+        report = verify_plan(p)
+    except PlanError as e:
+        _fail(str(e))
+    typer.echo(report.text)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def generate(
+    plan: Optional[Path] = typer.Argument(None, help="a plan directory (in-process)"),
+    prompt: str = typer.Argument(..., help="the prompt"),
+    url: Optional[str] = typer.Option(None, "--url", help="HOST:PORT of a running kiln serve"),
+    max_tokens: int = typer.Option(128, "--max-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: Optional[int] = typer.Option(None, "--seed"),
+    chat: bool = typer.Option(False, "--chat", help="apply the plan's chat template"),
+):
+    """Generate text from a plan, streamed to stdout."""
+    from runtime.generate import generate_stream
+
+    try:
+        for delta in generate_stream(plan, prompt, url=url, max_tokens=max_tokens,
+                                     temperature=temperature, top_p=top_p, top_k=top_k,
+                                     seed=seed, chat=chat):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
+    sys.stdout.write("\n")
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

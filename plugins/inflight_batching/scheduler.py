@@ -1,0 +1,348 @@
+"""The in-flight batching scheduler: which sequences run this step, and how many tokens each.
+
+There is no prefill phase and no decode phase: a sequence has `num_tokens` known tokens
+(prompt + generated) of which `num_computed_tokens` have K/V in the pool, and each step
+lets the computed tokens catch up by up to the token budget:
+
+    known:     | p0 p1 p2 p3 p4 p5 p6 p7 | g0 g1 |
+    computed:  |<----------- 9 -------------->|       -> 1 token to schedule (a decode)
+    a prompt of 900 tokens with max_num_tokens 256 runs as chunks 256, 256, 256, 132.
+
+Each step: running decodes first (oldest first), then running prefill chunks, then new
+admissions from the waiting queue (FIFO), under `max_batch_size` sequences and
+`max_num_tokens` tokens. Policies decide admission when blocks are scarce:
+
+- guaranteed_no_evict: admit only when the prompt and all of max_tokens fit in blocks not
+  promised to anyone else; a started sequence always finishes.
+- max_utilization: admit when the prompt fits; when a running sequence needs a block and
+  none is free, preempt the most recently admitted one (free its blocks, recompute later).
+  Its generated tokens stay in `token_ids`, so nothing is lost or emitted twice.
+
+The scheduler holds no tensors: the block pool (plugins.paged_kv.block_pool) counts blocks,
+the executor side turns a SchedulerOutput into tensors and hands back a StepOutput.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence as Seq
+
+from plugins.paged_kv.block_pool import BlockPool
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+class RequestRefused(ValueError):
+    """A request that can never be served under this engine's limits."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits and policies of the scheduler (from the plan, possibly lowered at load)."""
+    max_batch_size: int = 32          # sequences per step
+    max_num_tokens: int = 512         # tokens per step (the chunked-prefill budget)
+    max_seq_len: int = 2048           # prompt + output tokens of one sequence
+    max_input_len: Optional[int] = None  # prompt tokens; None: max_seq_len - 1
+    tokens_per_block: int = 16
+    policy: str = "max_utilization"   # guaranteed_no_evict | max_utilization
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    max_queue: int = 1024             # bound of the waiting queue
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not known; allowed: {', '.join(POLICIES)}")
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block",
+                     "max_queue"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+        if self.max_input_len is not None and not 1 <= self.max_input_len < self.max_seq_len:
+            raise ValueError(f"max_input_len ({self.max_input_len}) must be in [1, max_seq_len "
+                             f"({self.max_seq_len})): a request needs room for one output token")
+
+    @property
+    def input_len(self) -> int:
+        return self.max_input_len if self.max_input_len is not None else self.max_seq_len - 1
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"             # waiting again, to be recomputed
+    FINISHED_STOPPED = "stop"           # stop token / stop string
+    FINISHED_LENGTH = "length"          # max_tokens or max_seq_len
+    FINISHED_ABORTED = "cancelled"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.value in ("stop", "length", "cancelled", "error")
+
+
+class Sequence:
+    """One request's state, owned by the scheduler."""
+
+    def __init__(self, request_id: str, prompt_token_ids: Seq[int], max_tokens: int,
+                 min_tokens: int = 0, stop_token_ids: Iterable[int] = (), params: Any = None,
+                 arrival_time: Optional[float] = None):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)   # prompt + generated
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_computed_tokens = 0     # tokens whose K/V is in the pool
+        self.num_cached_tokens = 0       # prompt tokens served by the prefix cache (first run)
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []   # chained hashes of full blocks of token_ids
+        self.status = SequenceStatus.WAITING
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.params = params             # sampling params, opaque to the scheduler
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: Optional[float] = None
+        self.stop_reason: Any = None     # the stop token id or stop string that ended it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step; the only object the scheduler hands the executor side."""
+    seqs: list[Sequence] = field(default_factory=list)    # scheduled, in packing order
+    num_scheduled_tokens: list[int] = field(default_factory=list)  # seqs[i] -> tokens this step
+    # seqs[i] samples a token this step iff its computed tokens reach its known tokens
+    sample: list[bool] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # preempted while scheduling
+    total_num_tokens: int = 0                             # sum(num_scheduled_tokens)
+
+    @classmethod
+    def make_empty(cls) -> "SchedulerOutput":
+        return cls()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass
+class StepOutput:
+    """What the executor side hands back: one entry per scheduled sequence."""
+    sampled_token_ids: list[Optional[int]]  # seqs[i] -> its new token (None: mid-prefill)
+
+
+class Scheduler:
+    """Waiting and running queues over a BlockPool; see the module docstring."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int):
+        self.config = config
+        self.pool = BlockPool(num_blocks, config.tokens_per_block, config.prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []      # admission order: running[-1] is the newest
+        self.by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        self.num_generated_tokens = 0
+        self._guaranteed = config.policy == "guaranteed_no_evict"
+
+    # ---- requests ---------------------------------------------------------------------------
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise RequestRefused for a request that could never be served."""
+        c = self.config
+        if num_prompt_tokens < 1:
+            raise RequestRefused("the prompt is empty: at least one token is needed")
+        if num_prompt_tokens > c.input_len:
+            raise RequestRefused(f"the prompt has {num_prompt_tokens} tokens; max_input_len is "
+                                 f"{c.input_len}")
+        total = num_prompt_tokens + max_tokens
+        if total > c.max_seq_len:
+            raise RequestRefused(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens})"
+                                 f" = {total} exceeds max_seq_len ({c.max_seq_len})")
+        if not c.chunked_prefill and num_prompt_tokens > c.max_num_tokens:
+            raise RequestRefused(f"the prompt has {num_prompt_tokens} tokens; with chunked "
+                                 f"prefill off it must fit max_num_tokens ({c.max_num_tokens})")
+        need = self.pool.blocks_for(total)
+        if need > self.pool.num_blocks:
+            raise RequestRefused(f"prompt + max_tokens = {total} tokens needs {need} KV blocks; "
+                                 f"the pool has {self.pool.num_blocks}")
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence (call check() first)."""
+        self.check(seq.num_prompt_tokens, seq.max_tokens)
+        if seq.request_id in self.by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in flight")
+        self.by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Optional[Sequence]:
+        """Finish a request as cancelled and free its blocks at once; None if unknown."""
+        seq = self.by_id.get(request_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End a sequence (any FINISHED_* status): leave the queues, free the blocks."""
+        if seq.is_finished:
+            return
+        if seq in self.running:   # short lists; a finished sequence leaves once
+            self.running.remove(seq)
+        elif seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED):
+            self.waiting.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.status = status
+        self.by_id.pop(seq.request_id, None)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's sequences and token counts."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_tokens
+        # 1. running decodes (one token each), oldest first; preempt the newest if blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                if not self._reserve_slot(seq, out):
+                    break                  # seq itself was preempted (it was the newest)
+                self._put(out, seq, 1)
+                budget -= 1
+            i += 1
+        # 2. running prefill chunks (their prompt blocks were allocated at admission)
+        for seq in self.running:
+            if budget <= 0 or len(out.seqs) >= self.config.max_batch_size:
+                break
+            todo = seq.num_tokens - seq.num_computed_tokens
+            if todo > 1:  # (todo == 1 was scheduled above)
+                n = min(todo, budget)
+                self._put(out, seq, n)
+                budget -= n
+        # 3. admissions, FIFO (a preempted sequence is at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[0]
+            if not self._admit(seq, budget):
+                break
+            self.waiting.popleft()
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            self._put(out, seq, n)
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput, step: StepOutput) -> list[Sequence]:
+        """Advance the scheduled sequences by this step's results. Appends sampled tokens,
+        finishes sequences on stop tokens / max_tokens / max_seq_len and frees their blocks.
+        -> the sequences that received a token (finished ones included)."""
+        touched = []
+        for seq, n, tok in zip(out.seqs, out.num_scheduled_tokens, step.sampled_token_ids):
+            if seq.is_finished:        # cancelled while the step ran
+                continue
+            seq.num_computed_tokens += n
+            self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            if tok is None:
+                continue
+            seq.token_ids.append(tok)
+            self.num_generated_tokens += 1
+            touched.append(seq)
+            if tok in seq.stop_token_ids and seq.num_output_tokens >= seq.min_tokens:
+                seq.stop_reason = tok
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif (seq.num_output_tokens >= seq.max_tokens
+                  or seq.num_tokens >= self.config.max_seq_len):
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+        return touched
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _put(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_scheduled_tokens.append(n)
+        out.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+        out.total_num_tokens += n
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+
+    def _reserve_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Make room for seq's next token, preempting the newest sequences if needed.
+        -> False when seq itself had to be preempted."""
+        need = seq.num_computed_tokens + 1
+        while not self.pool.can_append(seq.block_table, need):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        self.pool.may_append(seq.block_table, need)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def _reserved_blocks(self) -> int:
+        """Blocks promised to running sequences for their remaining output (no-evict policy)."""
+        pool = self.pool
+        return sum(max(0, pool.blocks_for(min(s.num_prompt_tokens + s.max_tokens,
+                                              self.config.max_seq_len)) - len(s.block_table))
+                   for s in self.running)
+
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Allocate blocks for a waiting sequence if the policy and the budget allow."""
+        pool = self.pool
+        if pool.prefix_caching:
+            seq.block_hashes = pool.hash_blocks(seq.token_ids, seq.block_hashes)
+        if self._guaranteed:
+            final = min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_seq_len)
+            reserve = pool.blocks_for(final) - pool.blocks_for(seq.num_tokens)
+            reserve += self._reserved_blocks()
+        else:
+            reserve = 0
+        if not pool.can_allocate(seq.token_ids, seq.block_hashes, reserve):
+            return False
+        if not self.config.chunked_prefill and seq.status is SequenceStatus.WAITING:
+            # a first run must fit the step whole (a resumed one may be recomputed in chunks)
+            cached = pool.cached_prefix_len(seq.token_ids, seq.block_hashes)
+            if seq.num_tokens - cached > budget:
+                return False
+        first_run = seq.status is SequenceStatus.WAITING
+        seq.block_table, cached = pool.allocate(seq.token_ids, seq.block_hashes)
+        seq.num_computed_tokens = cached
+        if first_run:
+            seq.num_cached_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return True

@@ -1,0 +1,201 @@
+"""Sampling parameters (validated once, at submission) and the batched sampler.
+
+The sampler turns the step's logits [B, vocab] into one token per row, each row under its
+own request's parameters, with tensor ops over the whole batch; only rows that need a
+per-row step (a seeded generator, min_tokens, bad words) get one. Order, as in vLLM/HF:
+
+    penalties (repetition on prompt+output; presence/frequency on output)
+    -> masks (stop tokens before min_tokens; bad words)
+    -> greedy rows: argmax
+    -> temperature -> top-k -> top-p -> softmax -> min-p -> draw
+
+Drawing uses the exponential race (argmax of p / Exp(1) noise), so a seeded request draws
+its noise from its own torch.Generator: the same seed and prompt give the same tokens
+whatever else shares the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request is sampled and when it stops. Raises ValueError naming a bad field."""
+    max_tokens: int = 16                 # output tokens at most
+    min_tokens: int = 0                  # stop tokens are masked until this many are out
+    temperature: float = 1.0             # 0 = greedy
+    top_k: int = 0                       # 0 = off
+    top_p: float = 1.0                   # nucleus mass, 1 = off
+    min_p: float = 0.0                   # drop tokens below min_p * p(max); 0 = off
+    repetition_penalty: float = 1.0      # HF style, on prompt and output tokens; 1 = off
+    presence_penalty: float = 0.0        # OpenAI style, on output tokens
+    frequency_penalty: float = 0.0       # OpenAI style, on output tokens
+    seed: Optional[int] = None           # per-request generator; None = engine's randomness
+    stop: tuple[str, ...] = ()           # stop strings, cut from the output text
+    stop_token_ids: tuple[int, ...] = ()  # extra stop tokens (besides eos)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False             # do not stop at eos
+    bad_words: tuple[str, ...] = ()      # never generate these words (as token sequences)
+    bad_token_ids: tuple[int, ...] = ()  # never generate these tokens
+    skip_special_tokens: bool = True     # in the output text
+
+    def __post_init__(self):
+        for name in ("stop", "bad_words"):
+            v = getattr(self, name)
+            object.__setattr__(self, name, (v,) if isinstance(v, str) else tuple(v or ()))
+        for name in ("stop_token_ids", "bad_token_ids"):
+            object.__setattr__(self, name, tuple(getattr(self, name) or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name, allowed):
+            raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {allowed}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= 100:
+            bad("temperature", "must be in [0, 100] (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= 0 (0 or -1 = off)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            if not all(_is_int(t) and t >= 0 for t in getattr(self, name)):
+                bad(name, "must be non-negative integers")
+        if not all(isinstance(s, str) and s for s in self.bad_words):
+            bad("bad_words", "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """From a dict of field values; an unknown key is a ValueError naming it."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"SamplingParams has no field {unknown[0]!r}; fields: "
+                             f"{', '.join(sorted(names))}")
+        return cls(**d)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingState:
+    """A request's sampling state, kept by the engine across steps."""
+    params: SamplingParams
+    generator: Optional[torch.Generator] = None     # seeded requests only
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences to avoid
+    min_tokens_mask: tuple[int, ...] = ()          # stop ids masked before min_tokens
+
+    @classmethod
+    def create(cls, params: SamplingParams, stop_ids: Sequence[int] = (),
+               bad_words_ids: Sequence[Sequence[int]] = ()) -> "SamplingState":
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        bad = [list(w) for w in bad_words_ids if w] + [[t] for t in params.bad_token_ids]
+        return cls(params, gen, bad, tuple(stop_ids) if params.min_tokens else ())
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; rows are (SamplingState, token history)."""
+
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                 token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> list[int]:
+        """logits [B, vocab] float32; token_ids[i] = row i's prompt + output so far."""
+        B, V = logits.shape
+        P = [s.params for s in states]
+        logits = logits.float().clone()
+        self._penalize(logits, P, token_ids, num_prompt_tokens)
+        self._mask(logits, states, token_ids, num_prompt_tokens)
+        temps = [p.temperature for p in P]
+        greedy = [t == 0 for t in temps]
+        if all(greedy):
+            return logits.argmax(dim=-1).tolist()
+        x = logits / torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
+        ks = [p.top_k if p.top_k > 0 else V for p in P]
+        if min(ks) < V:
+            kmax = max(k for k in ks if k < V)
+            kth = x.topk(kmax, dim=-1).values                                 # [B, kmax]
+            idx = torch.tensor([min(k, kmax) - 1 for k in ks])
+            thresh = kth.gather(1, idx[:, None])                             # [B, 1]
+            thresh[torch.tensor([k >= V for k in ks])] = float("-inf")
+            x = x.masked_fill(x < thresh, float("-inf"))
+        tops = [p.top_p for p in P]
+        if min(tops) < 1.0:
+            sx, si = x.sort(dim=-1, descending=True)
+            sp = sx.softmax(dim=-1)
+            # drop a token when the mass strictly before it already reaches top_p
+            drop = (sp.cumsum(dim=-1) - sp) >= torch.tensor(tops)[:, None]
+            x = x.scatter(1, si, sx.masked_fill(drop, float("-inf")))
+        probs = x.softmax(dim=-1)
+        min_ps = [p.min_p for p in P]
+        if max(min_ps) > 0:
+            cut = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps)[:, None]
+            probs = probs.masked_fill(probs < cut, 0.0)
+        noise = torch.empty_like(probs).exponential_()
+        for i, s in enumerate(states):
+            if s.generator is not None:
+                noise[i].exponential_(generator=s.generator)
+        tokens = (probs / noise).argmax(dim=-1)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
+        return tokens.tolist()
+
+    @staticmethod
+    def _penalize(logits, P, token_ids, num_prompt_tokens) -> None:
+        rows = [i for i, p in enumerate(P) if p.repetition_penalty != 1.0
+                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        if not rows:
+            return
+        V = logits.shape[1]
+        for i in rows:  # one scatter per penalized row; O(history) tensor work, no Python per token
+            p, toks, n_p = P[i], token_ids[i], num_prompt_tokens[i]
+            row = logits[i]
+            if p.repetition_penalty != 1.0 and toks:
+                seen = torch.zeros(V, dtype=torch.bool)
+                seen[torch.tensor(toks, dtype=torch.long)] = True
+                pen = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row.copy_(torch.where(seen, pen, row))
+            out = toks[n_p:]
+            if out and (p.presence_penalty or p.frequency_penalty):
+                counts = torch.zeros(V).index_add_(0, torch.tensor(out, dtype=torch.long),
+                                                   torch.ones(len(out)))
+                row.sub_(counts * p.frequency_penalty + (counts > 0).float() * p.presence_penalty)
+
+    @staticmethod
+    def _mask(logits, states, token_ids, num_prompt_tokens) -> None:
+        for i, s in enumerate(states):
+            if s.min_tokens_mask and len(token_ids[i]) - num_prompt_tokens[i] < s.params.min_tokens:
+                logits[i, list(s.min_tokens_mask)] = float("-inf")
+            if s.bad_words_ids:
+                out = token_ids[i][num_prompt_tokens[i]:]
+                banned = [w[-1] for w in s.bad_words_ids
+                          if len(w) == 1 or (len(out) >= len(w) - 1
+                                             and list(out[len(out) - len(w) + 1:]) == w[:-1])]
+                if banned:
+                    logits[i, banned] = float("-inf")

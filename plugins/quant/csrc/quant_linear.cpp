@@ -1,0 +1,333 @@
+// CPU kernels for kiln::linear_int8 / linear_int4 / linear_fp8 (schemas: plugins/quant/ops.py,
+// layouts: plugins/quant/formats.py). Registered for the CPU key, so they override the
+// dequantize-then-matmul references once this library is loaded.
+//
+// Two paths, both parallel over output channels with at::parallel_for:
+//   small M (decode, memory-bound): a GEMV that streams the packed weights once and
+//     dequantizes 32 weights at a time in AVX2 registers, reused for up to 4 rows of x;
+//   large M (prefill / big batches, compute-bound): dequantize a tile of weight rows into
+//     an fp32 scratch buffer that stays in L2, then at::mm on the tile (single-threaded
+//     inside the parallel region).
+// Without AVX2 the decoders fall back to scalar code (same results up to summation order).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KILN_QUANT_AVX2 1
+#else
+#define KILN_QUANT_AVX2 0
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;     // weights decoded per step
+constexpr int64_t kTileMinM = 8;   // rows of x from which the dequantize-tile path is used
+constexpr int64_t kMaxRows = 4;    // rows of x sharing one decoded weight vector (GEMV)
+
+#if KILN_QUANT_AVX2
+using vec = __m256;
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// ---- decoders: 32 weights of row n from k (k % 32 == 0), before the per-row scale ----
+
+struct Int8Dec {
+  const int8_t* q;
+  int64_t K;
+  float row_scale(int64_t n) const { return scales[n]; }
+  const float* scales;
+  float tail(int64_t n, int64_t k) const { return float(q[n * K + k]); }
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const int8_t* p = q + n * K + k;
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * j))));
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    for (int j = 0; j < kBlock; ++j) w[j] = float(q[n * K + k + j]);
+  }
+};
+
+// fp8 E4M3 -> fp16 by bits: sign-extend the byte to 16 bits, shift left 7 (exponent and
+// mantissa land in fp16's fields, the sign in bit 15), clear bit 14. The fp16 value is the
+// E4M3 value * 2**-8 (exponent bias 15 vs 7), subnormals included; 256 goes into the scale.
+struct Fp8Dec {
+  const uint8_t* q;
+  int64_t K;
+  const float* scales;
+  float row_scale(int64_t n) const { return scales[n] * 256.0f; }
+  float tail(int64_t n, int64_t k) const {
+    return float(c10::Float8_e4m3fn(q[n * K + k], c10::Float8_e4m3fn::from_bits())) / 256.0f;
+  }
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const uint8_t* p = q + n * K + k;
+    const __m256i mask = _mm256_set1_epi16(static_cast<int16_t>(0xBFFF));
+    for (int h = 0; h < 2; ++h) {
+      __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+      v = _mm256_and_si256(_mm256_slli_epi16(v, 7), mask);
+      w[2 * h] = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
+      w[2 * h + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
+    }
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    for (int j = 0; j < kBlock; ++j) w[j] = tail(n, k + j);
+  }
+};
+
+// int4: 16 bytes per 32 weights, byte j = q[j] | q[16 + j] << 4; w = q * s + m, m = -z * s.
+struct Int4Dec {
+  const uint8_t* q;
+  int64_t K;
+  const float* scales;
+  const float* zeros;
+  int64_t G, NG;
+  float row_scale(int64_t) const { return 1.0f; }
+  float tail(int64_t, int64_t) const { return 0.0f; }  // K % 32 == 0: never called
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const int64_t g = n * NG + k / G;
+    const vec s = _mm256_set1_ps(scales[g]);
+    const vec m = _mm256_set1_ps(-zeros[g] * scales[g]);
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (n * K + k) / 2));
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, nib);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), s, m);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), s, m);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), s, m);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), s, m);
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    const int64_t g = n * NG + k / G;
+    const float s = scales[g], m = -zeros[g] * scales[g];
+    const uint8_t* p = q + (n * K + k) / 2;
+    for (int j = 0; j < 16; ++j) {
+      w[j] = float(p[j] & 0x0F) * s + m;
+      w[16 + j] = float(p[j] >> 4) * s + m;
+    }
+  }
+};
+
+// ---- GEMV: out[r, n] = row_scale(n) * sum_k w[n, k] x[r, k] (+ bias[n]), r < R ----
+
+template <int R, class Dec>
+inline void gemv_rows(const Dec& d, const float* x, int64_t K, int64_t n, const float* bias,
+                      float* out, int64_t ldo) {
+  const int64_t K32 = K - K % kBlock;
+  float sums[R];
+#if KILN_QUANT_AVX2
+  constexpr int NA = R == 1 ? 4 : 2;  // independent FMA chains per row of x
+  vec acc[R][NA];
+  for (int r = 0; r < R; ++r)
+    for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K32; k += kBlock) {
+    vec w[4];
+    d.decode(n, k, w);
+    for (int j = 0; j < 4; ++j)
+      for (int r = 0; r < R; ++r)
+        acc[r][j % NA] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + r * K + k + 8 * j),
+                                         acc[r][j % NA]);
+  }
+  for (int r = 0; r < R; ++r) {
+    vec a = acc[r][0];
+    for (int i = 1; i < NA; ++i) a = _mm256_add_ps(a, acc[r][i]);
+    sums[r] = hsum(a);
+  }
+#else
+  for (int r = 0; r < R; ++r) sums[r] = 0.0f;
+  float w[kBlock];
+  for (int64_t k = 0; k < K32; k += kBlock) {
+    d.decode_scalar(n, k, w);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < kBlock; ++j) sums[r] += w[j] * x[r * K + k + j];
+  }
+#endif
+  for (int64_t k = K32; k < K; ++k) {
+    const float wk = d.tail(n, k);
+    for (int r = 0; r < R; ++r) sums[r] += wk * x[r * K + k];
+  }
+  const float rs = d.row_scale(n);
+  const float b = bias ? bias[n] : 0.0f;
+  for (int r = 0; r < R; ++r) out[r * ldo + n] = sums[r] * rs + b;
+}
+
+template <class Dec>
+void gemv(const Dec& d, const float* x, int64_t M, int64_t K, int64_t N, const float* bias,
+          float* out) {
+  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t r = 0; r < M; r += kMaxRows) {
+        const float* xr = x + r * K;
+        float* o = out + r * N;
+        switch (std::min<int64_t>(kMaxRows, M - r)) {
+          case 4: gemv_rows<4>(d, xr, K, n, bias, o, N); break;
+          case 3: gemv_rows<3>(d, xr, K, n, bias, o, N); break;
+          case 2: gemv_rows<2>(d, xr, K, n, bias, o, N); break;
+          default: gemv_rows<1>(d, xr, K, n, bias, o, N); break;
+        }
+      }
+    }
+  });
+}
+
+// ---- tile path: dequantize rows [n0, n0 + nt) to fp32, then at::mm ----
+
+template <class Dec>
+void dequant_rows(const Dec& d, int64_t K, int64_t n0, int64_t nt, float* dst) {
+  const int64_t K32 = K - K % kBlock;
+  for (int64_t i = 0; i < nt; ++i) {
+    const int64_t n = n0 + i;
+    float* row = dst + i * K;
+    const float rs = d.row_scale(n);
+#if KILN_QUANT_AVX2
+    const vec vs = _mm256_set1_ps(rs);
+    for (int64_t k = 0; k < K32; k += kBlock) {
+      vec w[4];
+      d.decode(n, k, w);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(row + k + 8 * j, _mm256_mul_ps(w[j], vs));
+    }
+#else
+    for (int64_t k = 0; k < K32; k += kBlock) {
+      d.decode_scalar(n, k, row + k);
+      for (int j = 0; j < kBlock; ++j) row[k + j] *= rs;
+    }
+#endif
+    for (int64_t k = K32; k < K; ++k) row[k] = d.tail(n, k) * rs;
+  }
+}
+
+template <class Dec>
+void tiled(const Dec& d, const at::Tensor& x, int64_t K, int64_t N, const float* bias,
+           at::Tensor& out) {
+  const int64_t M = x.size(0);
+  // A tile of about 192 KiB of fp32 weights: stays in L2 while at::mm reads it.
+  const int64_t nt_max = std::max<int64_t>(16, (49152 / std::max<int64_t>(K, 1)) / 16 * 16);
+  const int64_t ntiles = (N + nt_max - 1) / nt_max;
+  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
+    at::Tensor wbuf = at::empty({nt_max, K}, x.options());
+    at::Tensor obuf = at::empty({M * nt_max}, x.options());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * nt_max, nt = std::min(nt_max, N - n0);
+      dequant_rows(d, K, n0, nt, wbuf.data_ptr<float>());
+      at::Tensor o = obuf.narrow(0, 0, M * nt).view({M, nt});  // contiguous [M, nt]
+      at::mm_out(o, x, wbuf.narrow(0, 0, nt).t());
+      const float* op = obuf.data_ptr<float>();
+      float* dst = out.data_ptr<float>();
+      for (int64_t r = 0; r < M; ++r)
+        for (int64_t i = 0; i < nt; ++i)
+          dst[r * N + n0 + i] = op[r * nt + i] + (bias ? bias[n0 + i] : 0.0f);
+    }
+  });
+}
+
+// ---- op entry points ----
+
+struct Prepared {
+  at::Tensor x;     // [M, K] float32 contiguous
+  at::Tensor out;   // [M, N] float32
+  at::Tensor bias;  // [N] float32 contiguous, or undefined
+};
+
+Prepared prepare(const at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
+                 const char* op) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [M, K], got ", x.sizes());
+  TORCH_CHECK(x.size(1) == K, op, ": x has K=", x.size(1), " but the weight has K=", K);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  Prepared p;
+  p.x = x.to(at::kFloat).contiguous();
+  p.out = at::empty({x.size(0), N}, p.x.options());
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, op, ": bias has ", bias->numel(), " elements, expected ", N);
+    p.bias = bias->to(at::kFloat).contiguous();
+  }
+  return p;
+}
+
+template <class Dec>
+at::Tensor run(const Dec& d, const at::Tensor& x, int64_t N, int64_t K,
+               const c10::optional<at::Tensor>& bias, const char* op) {
+  Prepared p = prepare(x, N, K, bias, op);
+  const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  const int64_t M = p.x.size(0);
+  if (M > 0 && N > 0) {
+    if (M >= kTileMinM)
+      tiled(d, p.x, K, N, b, p.out);
+    else
+      gemv(d, p.x.data_ptr<float>(), M, K, N, b, p.out.data_ptr<float>());
+  }
+  return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+}
+
+void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
+              " must be contiguous float32");
+  TORCH_CHECK(t.size(0) == N, op, ": ", name, " has ", t.size(0), " rows, expected ", N);
+}
+
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_int8";
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              op, ": qweight must be contiguous int8 [N, K]");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  check_rows(scales, N, "scales", op);
+  Int8Dec d{qweight.data_ptr<int8_t>(), K, scales.data_ptr<float>()};
+  return run(d, x, N, K, bias, op);
+}
+
+at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_fp8";
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous() &&
+                  (qweight.scalar_type() == at::kFloat8_e4m3fn || qweight.scalar_type() == at::kByte),
+              op, ": qweight must be contiguous float8_e4m3fn (or its uint8 bits) [N, K]");
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  check_rows(scales, N, "scales", op);
+  Fp8Dec d{static_cast<const uint8_t*>(qweight.data_ptr()), K, scales.data_ptr<float>()};
+  return run(d, x, N, K, bias, op);
+}
+
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const at::Tensor& zeros, int64_t group_size,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_int4";
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kByte && qweight.is_contiguous(),
+              op, ": qweight must be contiguous uint8 [N, K/2]");
+  const int64_t N = qweight.size(0), K = qweight.size(1) * 2;
+  TORCH_CHECK(group_size == 32 || group_size == 64 || group_size == 128, op,
+              ": group_size must be 32, 64 or 128, got ", group_size);
+  TORCH_CHECK(K % group_size == 0, op, ": group_size ", group_size, " does not divide K=", K);
+  check_rows(scales, N, "scales", op);
+  check_rows(zeros, N, "zeros", op);
+  TORCH_CHECK(scales.numel() == N * (K / group_size) && zeros.numel() == scales.numel(), op,
+              ": scales/zeros must be [N, K/group_size] = [", N, ", ", K / group_size, "]");
+  Int4Dec d{qweight.data_ptr<uint8_t>(), K, scales.data_ptr<float>(), zeros.data_ptr<float>(),
+            group_size, K / group_size};
+  return run(d, x, N, K, bias, op);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("linear_int8", &linear_int8);
+  m.impl("linear_int4", &linear_int4);
+  m.impl("linear_fp8", &linear_fp8);
+}

@@ -1,0 +1,174 @@
+"""Weight formats of the `quant` plugin: quantize / dequantize per scheme, pure torch.
+
+Every scheme is weight-only: activations stay float32 (or bf16) and the kernels dequantize
+weights in registers. A weight is nn.Linear's [N, K] (N outputs, K inputs); `w ≈ deq(...)`.
+
+int8  symmetric, per output channel
+      qweight int8 [N, K];  scales float32 [N]
+      w[n, k] = qweight[n, k] * scales[n],   scales = absmax(row) / 127,  q in [-127, 127]
+      error bound: |w - deq| <= scales[n] / 2
+
+int4  asymmetric, group-wise along K (group_size 32, 64 or 128; K % group_size == 0)
+      qweight uint8 [N, K // 2];  scales float32 [N, K // G];  zeros float32 [N, K // G]
+      w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],   g = k // G,  q, zeros in 0..15
+      (zeros hold integer zero points as floats). Each group's range is widened to include
+      0, so an all-zero group and constant groups are exact.
+      error bound: |w - deq| <= scales[n, g] / 2
+
+      Packed layout, chosen for the AVX2 unpack (one 16-byte load -> 32 weights):
+      K is cut in blocks of 32; block b of row n is 16 bytes, byte j (0..15) holding
+      q[32b + j] in its low nibble and q[32b + 16 + j] in its high nibble:
+
+          byte:      0        1      ...     15
+          low  :   q[0]     q[1]     ...   q[15]      (x & 0x0F)
+          high :   q[16]    q[17]    ...   q[31]      (x >> 4)
+
+fp8   E4M3 (float8_e4m3fn), per output channel scale
+      qweight float8_e4m3fn [N, K];  scales float32 [N]
+      w[n, k] = float(qweight[n, k]) * scales[n],   scales = absmax(row) / 448
+      error bound: |w - deq| <= max(|w| * 2**-4, scales[n] * 2**-10)
+      (3 mantissa bits: half an ulp is 2**-4 relative; subnormal step is 2**-9 * scale)
+
+All-zero rows get a scale of tiny (finfo.tiny) / qmax so nothing divides by zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_BLOCK = 32                   # weights per 16-byte packed block (see layout above)
+GROUP_SIZES = (32, 64, 128)
+FP8_MAX = 448.0                   # largest finite float8_e4m3fn
+SCHEMES = ("int8", "int4", "fp8")
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized [N, K] weight: the op's tensor arguments, in the op's order."""
+    scheme: str                   # int8 | int4 | fp8
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor | None    # int4 only
+    group_size: int | None        # int4 only
+    shape: tuple[int, int]        # (N, K) of the float weight
+
+
+def check_group_size(k: int, group_size: int) -> None:
+    """Raises ValueError naming group_size unless it is allowed and divides K."""
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"int4 group_size {group_size} does not divide the weight's input "
+                         f"dim K={k}; choose a group_size in {GROUP_SIZES} dividing {k}")
+
+
+# ---------------------------------------------------------------- int8
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (qweight int8 [N, K], scales float32 [N])."""
+    w = w.detach().float()
+    absmax = w.abs().amax(dim=1).clamp_min(_TINY)
+    scales = absmax / 127.0
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scales.contiguous()
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.float() * scales.float()[:, None]
+
+
+# ---------------------------------------------------------------- int4
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integer values 0..15 (K % 32 == 0) -> uint8 [N, K // 2] in the block layout."""
+    n, k = q.shape
+    if k % INT4_BLOCK:
+        raise ValueError(f"int4 packing needs K % {INT4_BLOCK} == 0, got K={k}")
+    blocks = q.to(torch.uint8).reshape(n, k // INT4_BLOCK, 2, INT4_BLOCK // 2)
+    packed = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)          # [N, K/32, 16]
+    return packed.reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K // 2] block layout -> uint8 [N, K] values 0..15."""
+    n, kh = packed.shape
+    blocks = packed.reshape(n, kh // (INT4_BLOCK // 2), INT4_BLOCK // 2)
+    lo, hi = blocks & 0x0F, blocks >> 4
+    return torch.stack((lo, hi), dim=2).reshape(n, kh * 2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int = 128
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (qweight uint8 [N, K/2], scales [N, K/G], zeros [N, K/G]); RTN."""
+    n, k = w.shape
+    check_group_size(k, group_size)
+    g = w.detach().float().reshape(n, k // group_size, group_size)
+    lo = g.amin(dim=2).clamp_max(0.0)
+    hi = g.amax(dim=2).clamp_min(0.0)
+    scales = ((hi - lo) / 15.0).clamp_min(_TINY)
+    zeros = torch.round(-lo / scales).clamp_(0, 15)
+    q = torch.round(g / scales[..., None] + zeros[..., None]).clamp_(0, 15)
+    return pack_int4(q.reshape(n, k)), scales.contiguous(), zeros.contiguous()
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int) -> torch.Tensor:
+    q = unpack_int4(qweight).float()
+    n, k = q.shape
+    check_group_size(k, group_size)
+    g = q.reshape(n, k // group_size, group_size)
+    return ((g - zeros.float()[..., None]) * scales.float()[..., None]).reshape(n, k)
+
+
+# ---------------------------------------------------------------- fp8 (E4M3)
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (qweight float8_e4m3fn [N, K], scales float32 [N])."""
+    w = w.detach().float()
+    absmax = w.abs().amax(dim=1).clamp_min(_TINY)
+    scales = absmax / FP8_MAX
+    q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.contiguous(), scales.contiguous()
+
+
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qweight.float() * scales.float()[:, None]
+
+
+# ---------------------------------------------------------------- per scheme
+
+def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
+    """Quantize one [N, K] weight with `scheme` (int8 | int4 | fp8)."""
+    shape = (int(w.shape[0]), int(w.shape[1]))
+    if scheme == "int8":
+        q, s = quantize_int8(w)
+        return QuantizedWeight("int8", q, s, None, None, shape)
+    if scheme == "fp8":
+        q, s = quantize_fp8(w)
+        return QuantizedWeight("fp8", q, s, None, None, shape)
+    if scheme == "int4":
+        gs = 128 if group_size is None else group_size
+        q, s, z = quantize_int4(w, gs)
+        return QuantizedWeight("int4", q, s, z, gs, shape)
+    raise ValueError(f"unknown quantization scheme {scheme!r}; allowed: {', '.join(SCHEMES)}")
+
+
+def dequantize(qw: QuantizedWeight) -> torch.Tensor:
+    """The float32 [N, K] weight a QuantizedWeight stands for."""
+    if qw.scheme == "int8":
+        return dequantize_int8(qw.qweight, qw.scales)
+    if qw.scheme == "fp8":
+        return dequantize_fp8(qw.qweight, qw.scales)
+    return dequantize_int4(qw.qweight, qw.scales, qw.zeros, qw.group_size)
+
+
+def error_bound(w: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """Per-element bound on |w - dequantize(qw)| that the scheme guarantees (see top)."""
+    n, k = qw.shape
+    if qw.scheme == "int8":
+        return (qw.scales[:, None] / 2).expand(n, k)
+    if qw.scheme == "int4":
+        return (qw.scales / 2).repeat_interleave(qw.group_size, dim=1)
+    return torch.maximum(w.float().abs() * 2.0 ** -4, qw.scales[:, None] * 2.0 ** -10)

@@ -1,0 +1,27 @@
+"""Build and load the compiled CPU kernels of the quant ops (csrc/quant_linear.cpp).
+
+The builder calls `build()` and copies the returned .so into the plan; the runtime calls
+`load(path)` on the plan's copy. Tests and benchmarks call `load()` with no path, which builds
+(cached by plugins.cpp_build) and loads in one go.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from plugins import cpp_build
+from plugins.quant import ops  # noqa: F401  (the schemas must exist before the kernels)
+
+NAME = "kiln_quant"
+SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile (or find in the cache) the kernel library; returns the .so path."""
+    return cpp_build.build_library(NAME, SOURCES, verbose=verbose)
+
+
+def load(path: Path | None = None) -> Path:
+    """Load the kernel library (built here if `path` is None); returns the path loaded."""
+    lib = build() if path is None else Path(path)
+    cpp_build.load_library(lib)
+    return lib

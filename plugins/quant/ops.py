@@ -1,0 +1,89 @@
+"""The quantized linear ops: schemas, fakes (for export) and dequantize-then-matmul references.
+
+    kiln::linear_int8(x, qweight int8 [N,K], scales [N], bias?)                -> [M, N]
+    kiln::linear_int4(x, qweight uint8 [N,K/2], scales [N,K/G], zeros [N,K/G], G, bias?)
+    kiln::linear_fp8 (x, qweight float8_e4m3fn [N,K], scales [N], bias?)       -> [M, N]
+
+x is [M, K] float32 or bfloat16; the output has x's dtype. Layouts: plugins/quant/formats.py.
+The references below are registered for CompositeExplicitAutograd (any device); the compiled
+CPU kernels (csrc/quant_linear.cpp, loaded by plugins.quant.kernels.load()) are registered
+for CPU and take precedence once loaded. Both compute in float32.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from plugins.quant import formats
+
+SCHEMAS = {
+    "linear_int8": "linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
+    "linear_int4": ("linear_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
+                    "int group_size, Tensor? bias) -> Tensor"),
+    "linear_fp8": "linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
+}
+
+_lib = torch.library.Library("kiln", "FRAGMENT")
+for _schema in SCHEMAS.values():
+    _lib.define(_schema)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def linear_int8_reference(x, qweight, scales, bias=None):
+    return _linear(x, formats.dequantize_int8(qweight, scales), bias)
+
+
+def linear_int4_reference(x, qweight, scales, zeros, group_size: int, bias=None):
+    return _linear(x, formats.dequantize_int4(qweight, scales, zeros, group_size), bias)
+
+
+def linear_fp8_reference(x, qweight, scales, bias=None):
+    return _linear(x, formats.dequantize_fp8(qweight, scales), bias)
+
+
+_lib.impl("linear_int8", linear_int8_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_int4", linear_int4_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_fp8", linear_fp8_reference, "CompositeExplicitAutograd")
+
+
+def _out_fake(x, n):
+    return x.new_empty((x.shape[0], n))
+
+
+@torch.library.register_fake("kiln::linear_int8")
+def _linear_int8_fake(x, qweight, scales, bias):
+    return _out_fake(x, qweight.shape[0])
+
+
+@torch.library.register_fake("kiln::linear_int4")
+def _linear_int4_fake(x, qweight, scales, zeros, group_size, bias):
+    torch._check(qweight.shape[1] * 2 == x.shape[1], lambda: "int4 qweight/x K mismatch")
+    return _out_fake(x, qweight.shape[0])
+
+
+@torch.library.register_fake("kiln::linear_fp8")
+def _linear_fp8_fake(x, qweight, scales, bias):
+    return _out_fake(x, qweight.shape[0])
+
+
+REFERENCES = {
+    "int8": linear_int8_reference,
+    "int4": linear_int4_reference,
+    "fp8": linear_fp8_reference,
+}
+
+
+def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Calls the op for qw's scheme (the fastest kernel registered for x's device)."""
+    if qw.scheme == "int8":
+        return torch.ops.kiln.linear_int8(x, qw.qweight, qw.scales, bias)
+    if qw.scheme == "fp8":
+        return torch.ops.kiln.linear_fp8(x, qw.qweight, qw.scales, bias)
+    return torch.ops.kiln.linear_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias)

@@ -1,0 +1,127 @@
+"""Checkpoint sources: a HF safetensors directory, a GGUF file, or random weights.
+
+    ckpt = open_checkpoint(spec.model)       # config, tokenizer, generation, digest
+    model = load_model(ckpt)                 # LlamaModel with every parameter filled once
+
+Which source tensor feeds which parameter is declared in builder/arch/llama_loader.py.
+"""
+from __future__ import annotations
+
+import os
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from builder.arch.llama import LlamaModel, rope_inv_freq
+from builder.sources.base import Checkpoint, CheckpointError
+
+__all__ = ["Checkpoint", "CheckpointError", "open_checkpoint", "resolve_source", "load_model"]
+
+PKG_SCHEME = "pkg://"
+
+
+def _find_package_dir(package: str) -> Path:
+    """The directory of an installed package, found on sys.path WITHOUT importing it."""
+    locations = None
+    for part in package.split("."):
+        spec = PathFinder.find_spec(part, locations)
+        if spec is None or not spec.submodule_search_locations:
+            raise CheckpointError(f"{PKG_SCHEME}{package}: package {package!r} is not "
+                                  "installed (or is not a package)")
+        locations = list(spec.submodule_search_locations)
+    return Path(locations[0])
+
+
+def resolve_source(source: str) -> str:
+    """`random`, `pkg://PACKAGE/FILE` or a local path -> `random` or an absolute local path.
+
+    Raises CheckpointError when the file or directory does not exist.
+    """
+    if source == "random":
+        return source
+    if source.startswith(PKG_SCHEME):
+        package, _, rel = source[len(PKG_SCHEME):].partition("/")
+        if not package or not rel:
+            raise CheckpointError(f"{source}: expected pkg://PACKAGE/FILE")
+        path = _find_package_dir(package) / rel
+        if not path.exists():
+            raise CheckpointError(f"{source}: no file {rel!r} in package {package!r} "
+                                  f"(looked at {path})")
+        return str(path)
+    if "://" in source:
+        raise CheckpointError(f"{source}: unsupported scheme; use a local path, "
+                              f"{PKG_SCHEME}PACKAGE/FILE or random (no hub downloads)")
+    path = Path(os.path.expanduser(source)).absolute()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    return str(path)
+
+
+def open_checkpoint(model) -> Checkpoint:
+    """Open the checkpoint a spec's `model` section (builder.spec.ModelSection) names.
+
+    Reads config, tokenizer and tensor headers (not the weights); checks the name mapping
+    and, when `model.revision` is set, the weights digest.
+    """
+    src = resolve_source(model.source)
+    if src == "random":
+        from builder.sources.random_source import open_random
+        tok = resolve_source(model.tokenizer) if model.tokenizer else None
+        ckpt = open_random(model.arch, model.seed, tok)
+    else:
+        path = Path(src)
+        if path.is_dir():
+            from builder.sources.hf import open_hf_dir
+            ckpt = open_hf_dir(path)
+        elif path.suffix == ".gguf" or _has_gguf_magic(path):
+            from builder.sources.gguf_file import open_gguf
+            ckpt = open_gguf(path)
+        else:
+            raise CheckpointError(f"{path}: not a checkpoint (expected a HF directory with "
+                                  "config.json, or a .gguf file)")
+    if model.revision and model.revision.lower() != ckpt.weights_digest:
+        raise CheckpointError(f"{ckpt.source_desc}: weights digest {ckpt.weights_digest} "
+                              f"differs from model.revision {model.revision}")
+    return ckpt
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> LlamaModel:
+    """A LlamaModel (eval mode, no grad) with every parameter taken from ckpt.tensors().
+
+    The model is built on the meta device; each streamed tensor is assigned to its
+    parameter, so the weights exist once. Raises CheckpointError naming any tensor that
+    is not a parameter, comes twice, has the wrong shape, or is never given.
+    """
+    with torch.device("meta"):
+        model = LlamaModel(ckpt.config)
+    declared = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    filled: set[str] = set()
+    for name, tensor in ckpt.tensors(dtype):
+        if name not in declared:
+            raise CheckpointError(f"{ckpt.source_desc}: tensor {name} is not a parameter "
+                                  "of the model")
+        if name in filled:
+            raise CheckpointError(f"{ckpt.source_desc}: tensor {name} given twice")
+        if tuple(tensor.shape) != declared[name]:
+            raise CheckpointError(f"{ckpt.source_desc}: tensor {name} has shape "
+                                  f"{list(tensor.shape)}, the model declares "
+                                  f"{list(declared[name])}")
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
+        filled.add(name)
+    missing = [n for n in declared if n not in filled]
+    if missing:
+        raise CheckpointError(f"{ckpt.source_desc}: missing tensors: {', '.join(missing)}")
+    model.register_buffer("inv_freq", rope_inv_freq(ckpt.config), persistent=False)
+    return model.eval()

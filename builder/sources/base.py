@@ -1,0 +1,30 @@
+"""The Checkpoint object every source returns, and its error type."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from builder.arch.llama import LlamaConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read; the message names the file and the tensor/problem."""
+
+
+@dataclass
+class Checkpoint:
+    config: LlamaConfig
+    tokenizer_json: str          # a complete HF `tokenizers` JSON (tokenizer.json content)
+    generation: dict             # bos_token_id, eos_token_ids [..], chat_template (str|None),
+    #                              pad_token_id, add_bos_token (True when the tokenizer.json's
+    #                              post-processor puts bos first on encode; never add it again)
+    weights_digest: str          # sha256 hex of the source (see each source for what it covers)
+    source_desc: str             # "gguf /path (Q4_1)", "hf dir /path", "random seed 0"
+    # dtype -> (our name, tensor) pairs, one at a time; set by the source.
+    _stream: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+
+    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Our parameter names and tensors (already fused/unpermuted), streamed one at a time."""
+        return self._stream(dtype)

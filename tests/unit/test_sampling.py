@@ -1,0 +1,97 @@
+"""SamplingParams validation and the batched sampler (logits made by hand)."""
+import pytest
+import torch
+
+from runtime.sampling import Sampler, SamplingParams, SamplingState
+
+pytestmark = pytest.mark.unit
+V = 32
+
+
+def run(logits, params, histories=None, n_prompt=None, stop_ids=()):
+    states = [SamplingState.create(p, stop_ids) for p in params]
+    hist = histories or [[1, 2, 3]] * len(params)
+    n_prompt = n_prompt or [len(h) for h in hist]
+    return Sampler()(logits, states, hist, n_prompt)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("temperature", -1), ("top_p", 0), ("top_k", -2), ("min_p", 2),
+    ("repetition_penalty", 0), ("presence_penalty", 3), ("min_tokens", 99), ("seed", "x"),
+    ("stop", [""]), ("stop_token_ids", [-1])])
+def test_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_from_dict_rejects_unknown():
+    with pytest.raises(ValueError, match="top_q"):
+        SamplingParams.from_dict({"top_q": 1})
+    assert SamplingParams.from_dict({"stop": "x"}).stop == ("x",)
+
+
+def test_greedy_and_masks():
+    logits = torch.zeros(3, V)
+    logits[:, 5] = 3.0
+    logits[:, 6] = 2.0
+    p_greedy = SamplingParams(temperature=0)
+    p_min = SamplingParams(temperature=0, min_tokens=2, max_tokens=4)
+    p_bad = SamplingParams(temperature=0, bad_token_ids=(5,))
+    out = run(logits, [p_greedy, p_min, p_bad], stop_ids=(5,))
+    assert out == [5, 6, 6]
+
+
+def test_bad_word_sequence_bans_last_token_after_prefix():
+    logits = torch.zeros(2, V)
+    logits[:, 9] = 5.0
+    st = SamplingState.create(SamplingParams(temperature=0), bad_words_ids=[[4, 9]])
+    out = Sampler()(logits, [st, st], [[1, 4], [1, 3]], [1, 1])
+    assert out[0] != 9 and out[1] == 9
+
+
+def test_penalties():
+    logits = torch.zeros(1, V)
+    logits[0, 3] = 1.0
+    logits[0, 4] = 0.9
+    # token 3 was generated: frequency penalty pushes it below 4
+    assert run(logits, [SamplingParams(temperature=0, frequency_penalty=0.5)],
+               [[0, 3]], [1]) == [4]
+    assert run(logits, [SamplingParams(temperature=0, presence_penalty=0.5)], [[0, 3]], [1]) == [4]
+    assert run(logits, [SamplingParams(temperature=0, repetition_penalty=2.0)], [[3]], [1]) == [4]
+    assert run(logits, [SamplingParams(temperature=0)], [[0, 3]], [1]) == [3]
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    torch.manual_seed(0)
+    logits = torch.randn(1, V).repeat(200, 1)
+    top = logits[0].argsort(descending=True)
+    for params, allowed in [(SamplingParams(top_k=3), set(top[:3].tolist())),
+                            (SamplingParams(top_k=1), {int(top[0])}),
+                            (SamplingParams(top_p=1e-6), {int(top[0])}),
+                            (SamplingParams(min_p=0.999), {int(top[0])})]:
+        out = run(logits, [params] * 200)
+        assert set(out) <= allowed, params
+    out = run(logits, [SamplingParams(top_k=3)] * 200)
+    assert len(set(out)) == 3          # samples, not argmax
+
+
+def test_temperature_sampling_follows_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.full((3000, V), -1e9)
+    logits[:, :3] = probs.log()
+    out = torch.tensor(run(logits, [SamplingParams(temperature=1.0)] * 3000))
+    freq = torch.bincount(out, minlength=3)[:3].float() / 3000
+    assert torch.allclose(freq, probs, atol=0.04)
+
+
+def test_seed_independent_of_batch_companions():
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    p = SamplingParams(temperature=1.0, seed=1234)
+    st = SamplingState.create(p)
+    seq_alone = [Sampler()(logits[1:2], [st], [[1]], [1])[0] for _ in range(10)]
+    st = SamplingState.create(p)
+    others = [SamplingState.create(SamplingParams(temperature=1.0)) for _ in range(3)]
+    seq_batched = [Sampler()(logits, [others[0], st, others[1], others[2]],
+                             [[1]] * 4, [1] * 4)[1] for _ in range(10)]
+    assert seq_batched == seq_alone and len(set(seq_alone)) > 1

@@ -1,0 +1,166 @@
+"""Quantization as a transform of a plain model (STYLE.md 7): swap nn.Linear for QuantLinear.
+
+    report = quantize_model(model, "int4", group_size=64, calibration=run_calibration)
+
+The model file knows nothing of packing; this module knows nothing of the architecture beyond
+two names: the token embedding (`tok_embeddings`, never quantized) and the lm_head (the
+`output` Linear, or the tied embedding matrix). The returned dict describes what was done and
+goes into the plan manifest.
+
+AWQ-style calibration (int4): for each linear, per-input-channel scales s = mean|x|^alpha
+(normalized) are searched over alpha on the linear's calibration inputs, minimizing the error
+of x @ W.T against the quantized (W * s) with x / s; alpha = 0 is plain round-to-nearest, so
+the search never does worse than RTN on the calibration data. x / s is kept as the module's
+`input_scale` (a multiply Inductor fuses into the producer of x). Activations are collected
+once from the unquantized model (not layer by layer as in the AWQ paper).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from plugins.quant import formats
+from plugins.quant.modules import QuantLinear
+
+EMBED, LM_HEAD = "embed", "lm_head"
+AWQ_ALPHAS = tuple(i / 10 for i in range(11))
+AWQ_MAX_ROWS = 512          # calibration rows kept per linear
+Calibration = Union[Callable[[nn.Module], None], Mapping[str, torch.Tensor]]
+
+
+def _kept(name: str, keep: tuple[str, ...]) -> bool:
+    parts = name.split(".")
+    return any(k == name or name.startswith(k + ".") or k in parts for k in keep)
+
+
+def _targets(model: nn.Module, keep: tuple[str, ...]) -> dict[str, nn.Linear]:
+    """The nn.Linear modules to quantize, by qualified name (lm_head handled separately)."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and n != "output" and not _kept(n, keep)}
+
+
+def _resolve_group_size(group_size: Optional[int], linears: dict[str, nn.Linear]) -> int:
+    """An explicit group_size must divide every K; None picks the largest allowed that does."""
+    ks = {m.in_features for m in linears.values()}
+    if group_size is not None:
+        for name, m in linears.items():
+            try:
+                formats.check_group_size(m.in_features, group_size)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+        return group_size
+    for g in sorted(formats.GROUP_SIZES, reverse=True):
+        if all(k % g == 0 for k in ks):
+            return g
+    raise ValueError(f"no int4 group_size in {formats.GROUP_SIZES} divides every linear's "
+                     f"input dim {sorted(ks)}")
+
+
+def collect_inputs(model: nn.Module, linears: dict[str, nn.Linear],
+                   run: Callable[[nn.Module], None], max_rows: int = AWQ_MAX_ROWS
+                   ) -> dict[str, torch.Tensor]:
+    """Runs `run(model)` with hooks that record each linear's inputs -> name: [rows, K]."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in linears}
+
+    def hook(name):
+        def f(_mod, args):
+            seen[name].append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
+        return f
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in linears.items()]
+    try:
+        with torch.no_grad():
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    out = {}
+    for n, xs in seen.items():
+        if xs:
+            x = torch.cat(xs)
+            if x.shape[0] > max_rows:
+                idx = torch.linspace(0, x.shape[0] - 1, max_rows).long()
+                x = x[idx]
+            out[n] = x
+    return out
+
+
+def awq_search(w: torch.Tensor, x: torch.Tensor, scheme: str, group_size: Optional[int]
+               ) -> tuple[torch.Tensor, float]:
+    """-> (input_scale [K] = 1/s for the best alpha, alpha). w [N, K]; x [rows, K]."""
+    w = w.detach().float()
+    x = x.float()
+    ref = x @ w.T
+    mag = x.abs().mean(dim=0).clamp_min(1e-6)
+    best = (float("inf"), torch.ones_like(mag), 0.0)
+    for alpha in AWQ_ALPHAS:
+        s = mag.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        wq = formats.dequantize(formats.quantize(w * s[None, :], scheme, group_size))
+        err = ((x / s[None, :]) @ wq.T - ref).pow(2).mean().item()
+        if err < best[0]:
+            best = (err, 1.0 / s, alpha)
+    return best[1], best[2]
+
+
+def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = None,
+                   keep_high_precision: tuple[str, ...] = (EMBED, LM_HEAD),
+                   calibration: Optional[Calibration] = None) -> dict:
+    """Swaps the model's nn.Linear modules for QuantLinear in place; returns a report dict.
+
+    weights: int8 | int4 | fp8. group_size: int4 only (None: the largest of 128/64/32 that
+    divides every quantized linear's K). keep_high_precision: "embed", "lm_head", or module
+    names / name components ("w2", "layers.0") left unquantized. calibration (int4): a
+    callable run(model) that runs the unquantized model on calibration inputs, or a mapping
+    linear name -> its inputs [rows, K]; enables the AWQ-style scale search.
+    """
+    if weights not in formats.SCHEMES:
+        raise ValueError(f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
+    keep = tuple(keep_high_precision)
+    if EMBED not in keep:
+        raise ValueError("keep_high_precision must contain 'embed': there is no quantized "
+                         "embedding op (the token embedding stays in its float dtype)")
+    if group_size is not None and weights != "int4":
+        raise ValueError(f"group_size applies to int4 only (weights={weights!r})")
+    linears = _targets(model, keep)
+    names = [n for n, _ in model.named_modules()]
+    for k in keep:
+        if k not in (EMBED, LM_HEAD) and not any(_kept(n, (k,)) for n in names):
+            raise ValueError(f"keep_high_precision entry {k!r} matches no module")
+    head = None
+    if LM_HEAD not in keep:
+        out = getattr(model, "output", None)
+        if out is None:   # tied: the head gets its own quantized copy; the embedding stays
+            emb = model.tok_embeddings.weight
+            out = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+            out.weight = emb
+        head = out
+    all_q = dict(linears, **({"output": head} if head is not None else {}))
+    gs = _resolve_group_size(group_size, all_q) if weights == "int4" else None
+
+    acts: dict[str, torch.Tensor] = {}
+    method = "rtn"
+    if calibration is not None and weights == "int4":
+        acts = (dict(calibration) if isinstance(calibration, Mapping)
+                else collect_inputs(model, linears, calibration))
+        method = "awq"
+    report = {"weights": weights, "group_size": gs, "method": method,
+              "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
+              "bytes_before": 0, "bytes_after": 0}
+    if calibration is not None and weights != "int4":
+        report["calibration"] = "not used: AWQ scale search applies to int4 only"
+    for name, lin in all_q.items():
+        scale, alpha = None, None
+        if name in acts:
+            scale, alpha = awq_search(lin.weight, acts[name], weights, gs)
+            report["awq_alpha"][name] = alpha
+        q = QuantLinear.from_linear(lin, weights, gs, scale)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, q)
+        report["quantized"].append(name)
+        report["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
+        report["bytes_after"] += sum(b.numel() * b.element_size() for b in q.buffers())
+    return report

@@ -1,0 +1,69 @@
+"""nn.Modules that stand in for nn.Linear with quantized weights; forward calls a kiln op.
+
+The packed tensors are buffers (they are not trained), so torch.export lifts them as
+constants of the graph and AOTInductor embeds or loads them like any weight. An optional
+`input_scale` [K] (from AWQ-style calibration) multiplies x before the op; Inductor fuses
+that multiply into whatever produced x.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from plugins.quant import formats, ops
+
+
+class QuantLinear(nn.Module):
+    """y = x @ dequant(W).T + bias, with W in one of formats.SCHEMES."""
+
+    def __init__(self, qw: formats.QuantizedWeight, bias: Optional[torch.Tensor] = None,
+                 input_scale: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.scheme = qw.scheme
+        self.group_size = qw.group_size
+        self.out_features, self.in_features = qw.shape
+        self.register_buffer("qweight", qw.qweight)
+        self.register_buffer("scales", qw.scales)
+        self.register_buffer("zeros", qw.zeros)                       # int4 only, else None
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.register_buffer("input_scale", input_scale)              # [K] or None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int | None = None,
+                    input_scale: Optional[torch.Tensor] = None) -> "QuantLinear":
+        """Quantize an nn.Linear. With input_scale s (AWQ), W*diag(1/s) is what is quantized
+        and x*s what is multiplied, so the product is unchanged before rounding."""
+        w = linear.weight.detach().float()
+        if input_scale is not None:
+            w = w / input_scale[None, :]
+        qw = formats.quantize(w, scheme, group_size)
+        return cls(qw, linear.bias, input_scale)
+
+    def quantized_weight(self) -> formats.QuantizedWeight:
+        return formats.QuantizedWeight(self.scheme, self.qweight, self.scales, self.zeros,
+                                       self.group_size, (self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            x2 = x2 * self.input_scale.to(x2.dtype)
+        bias = self.bias
+        if self.scheme == "int8":
+            y = torch.ops.kiln.linear_int8(x2, self.qweight, self.scales, bias)
+        elif self.scheme == "fp8":
+            y = torch.ops.kiln.linear_fp8(x2, self.qweight, self.scales, bias)
+        else:
+            y = torch.ops.kiln.linear_int4(x2, self.qweight, self.scales, self.zeros,
+                                           self.group_size, bias)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.group_size else ""
+        a = ", awq" if self.input_scale is not None else ""
+        return f"{self.in_features} -> {self.out_features}, {self.scheme}{g}{a}"
+
+
+__all__ = ["QuantLinear", "ops"]

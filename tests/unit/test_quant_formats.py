@@ -1,0 +1,96 @@
+"""Quantize -> dequantize round trips of plugins/quant/formats.py, within each scheme's bound."""
+import pytest
+import torch
+
+from plugins.quant import formats
+
+pytestmark = pytest.mark.unit
+
+SCHEMES = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
+
+
+def _weights(kind: str, n=48, k=256) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(kind) % 1000)
+    w = torch.randn(n, k, generator=g) * 0.05
+    if kind == "outliers":
+        w[::3, 7] = 40.0
+        w[1::5, 200] = -90.0
+    elif kind == "zero_rows":
+        w[0] = 0
+        w[5] = 0
+        w[9, :128] = 0                     # all-zero groups inside a non-zero row
+    elif kind == "tiny":
+        w = w * 1e-30
+        w[2] = 1e-41                       # float32 subnormals
+    elif kind == "constant_groups":
+        w[:, :64] = 0.3
+        w[:, 64:128] = -2.0
+    elif kind == "one_sided":
+        w = w.abs() + 1.0
+    return w
+
+
+@pytest.mark.parametrize("scheme,gs", SCHEMES)
+@pytest.mark.parametrize("kind", ["random", "outliers", "zero_rows", "tiny", "constant_groups",
+                                  "one_sided"])
+def test_round_trip_within_bound(scheme, gs, kind):
+    w = _weights(kind)
+    qw = formats.quantize(w, scheme, gs)
+    deq = formats.dequantize(qw)
+    assert deq.shape == w.shape and deq.dtype == torch.float32
+    assert torch.isfinite(deq).all()
+    err = (w - deq).abs()
+    bound = formats.error_bound(w, qw) * (1 + 1e-5) + 1e-45
+    worst = (err - bound).max()
+    assert worst <= 0, f"{scheme} g={gs} {kind}: error exceeds bound by {worst.item():.3g}"
+    if kind == "zero_rows":
+        assert (deq[0] == 0).all() and (deq[5] == 0).all() and (deq[9, :128] == 0).all()
+
+
+@pytest.mark.parametrize("scheme,gs", SCHEMES)
+def test_relative_error_on_gaussian_weights(scheme, gs):
+    w = _weights("random", 256, 512)
+    deq = formats.dequantize(formats.quantize(w, scheme, gs))
+    rel = ((w - deq).norm() / w.norm()).item()
+    limit = {"int8": 0.01, "fp8": 0.04, "int4": 0.12}[scheme]
+    assert rel < limit, f"{scheme}: relative Frobenius error {rel:.4f} >= {limit}"
+
+
+def test_storage_dtypes_and_shapes():
+    w = _weights("random", 64, 256)
+    q8 = formats.quantize(w, "int8")
+    assert q8.qweight.dtype == torch.int8 and q8.scales.shape == (64,)
+    f8 = formats.quantize(w, "fp8")
+    assert f8.qweight.dtype == torch.float8_e4m3fn and f8.scales.shape == (64,)
+    q4 = formats.quantize(w, "int4", 64)
+    assert q4.qweight.dtype == torch.uint8 and q4.qweight.shape == (64, 128)
+    assert q4.scales.shape == q4.zeros.shape == (64, 4)
+    assert ((q4.zeros >= 0) & (q4.zeros <= 15) & (q4.zeros == q4.zeros.round())).all()
+
+
+def test_int4_packing_layout():
+    q = torch.arange(64).remainder(16).reshape(1, 64)
+    packed = formats.pack_int4(q)
+    # block 0, byte j: q[j] low nibble, q[16 + j] high nibble
+    assert packed[0, 0].item() == (q[0, 0] | (q[0, 16] << 4)).item()
+    assert packed[0, 17].item() == (q[0, 33] | (q[0, 49] << 4)).item()
+    assert torch.equal(formats.unpack_int4(packed), q.to(torch.uint8))
+
+
+@pytest.mark.parametrize("gs", [32, 64, 128])
+def test_group_size_not_dividing_k_raises(gs):
+    w = torch.randn(8, 96 + 16 if gs == 32 else 96)
+    if w.shape[1] % gs == 0:
+        pytest.skip("divides")
+    with pytest.raises(ValueError, match="group_size"):
+        formats.quantize(w, "int4", gs)
+
+
+def test_group_size_not_allowed_raises():
+    with pytest.raises(ValueError, match="group_size"):
+        formats.quantize(torch.randn(8, 96), "int4", 48)
+
+
+def test_unknown_scheme_raises():
+    with pytest.raises(ValueError, match="int8"):
+        formats.quantize(torch.randn(4, 32), "int3")

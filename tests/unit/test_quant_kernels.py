@@ -1,0 +1,160 @@
+"""The compiled CPU kernels of kiln::linear_{int8,int4,fp8} against their references, and
+QuantLinear through torch.export / AOTInductor."""
+import pytest
+import torch
+from torch import nn
+
+from plugins.quant import formats, kernels, ops
+from plugins.quant.modules import QuantLinear
+
+pytestmark = pytest.mark.unit
+
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # wqkv, wo, w13, w2
+BATCHES = [1, 3, 17, 32, 33]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernels():
+    kernels.load()
+
+
+def _args(qw):
+    if qw.scheme == "int4":
+        return (qw.qweight, qw.scales, qw.zeros, qw.group_size)
+    return (qw.qweight, qw.scales)
+
+
+def _check(x, w, scheme, gs, bias=None):
+    qw = formats.quantize(w, scheme, gs)
+    out = ops.quant_linear(x, qw, bias)                   # the CPU kernel (registered for CPU)
+    ref = ops.REFERENCES[scheme](x, *_args(qw), bias)     # dequantize, then F.linear
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    scale = ref.float().abs().max().item() + 1e-6
+    tol = 1e-2 if x.dtype == torch.bfloat16 else 2e-5
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \
+                               f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+def test_kernels_are_registered_for_cpu():
+    for name in ("linear_int8", "linear_int4", "linear_fp8"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{name}", "CPU")
+
+
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("n,k", SMOLLM2_SHAPES)
+@pytest.mark.parametrize("m", BATCHES)
+def test_kernel_matches_reference_smollm2_shapes(m, n, k, scheme, gs):
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    _check(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, scheme, gs)
+
+
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 128)])
+@pytest.mark.parametrize("m", [1, 3, 8, 33])
+@pytest.mark.parametrize("n,k", [(1, 128), (37, 256), (129, 384)])
+def test_kernel_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
+    g = torch.Generator().manual_seed(m + n + k)
+    _check(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), scheme, gs,
+           bias=torch.randn(n, generator=g))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 5, 17])
+@pytest.mark.parametrize("k", [1, 7, 70, 577])
+def test_int8_fp8_kernel_k_not_multiple_of_32(m, k, scheme):
+    g = torch.Generator().manual_seed(k)
+    _check(torch.randn(m, k, generator=g), torch.randn(19, k, generator=g), scheme, None)
+
+
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64)])
+@pytest.mark.parametrize("m", [1, 17])
+def test_kernel_bf16_activations(m, scheme, gs):
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 576, generator=g).to(torch.bfloat16)
+    _check(x, torch.randn(960, 576, generator=g) * 0.05, scheme, gs)
+
+
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64)])
+@pytest.mark.parametrize("m", [1, 33])
+def test_kernel_matches_reference_lm_head(m, scheme, gs):
+    g = torch.Generator().manual_seed(1)
+    _check(torch.randn(m, 576, generator=g), torch.randn(49152, 576, generator=g) * 0.05,
+           scheme, gs)
+
+
+def test_kernel_adversarial_weights():
+    w = torch.randn(64, 256) * 0.05
+    w[0] = 0
+    w[3, 5] = 300.0
+    w[7] *= 1e-30
+    x = torch.randn(5, 256)
+    for scheme, gs in [("int8", None), ("fp8", None), ("int4", 32)]:
+        _check(x, w, scheme, gs)
+
+
+def test_empty_batch():
+    qw = formats.quantize(torch.randn(16, 64), "int8")
+    assert ops.quant_linear(torch.randn(0, 64), qw).shape == (0, 16)
+
+
+def test_kernel_rejects_group_size_not_dividing_k():
+    qw = formats.quantize(torch.randn(8, 192), "int4", 64)
+    with pytest.raises(RuntimeError, match="group_size"):
+        torch.ops.kiln.linear_int4(torch.randn(1, 192), qw.qweight, qw.scales, qw.zeros, 128, None)
+
+
+def test_kernel_rejects_wrong_k():
+    qw = formats.quantize(torch.randn(8, 64), "int8")
+    with pytest.raises(RuntimeError, match="K="):
+        torch.ops.kiln.linear_int8(torch.randn(2, 65), qw.qweight, qw.scales, None)
+
+
+class _Tiny(nn.Module):
+    def __init__(self, scheme, gs):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        l1, l2 = nn.Linear(64, 96), nn.Linear(96, 64, bias=False)
+        for lin in (l1, l2):
+            nn.init.normal_(lin.weight, std=0.1, generator=g)
+        self.l1 = QuantLinear.from_linear(l1, scheme, gs)
+        self.l2 = QuantLinear.from_linear(l2, scheme, gs,
+                                          input_scale=torch.rand(96, generator=g) + 0.5)
+
+    def forward(self, x):
+        return self.l2(torch.relu(self.l1(x)))
+
+
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32)])
+def test_quant_linear_exports_and_runs(scheme, gs):
+    m = _Tiny(scheme, gs).eval()
+    x = torch.randn(5, 64)
+    tokens = torch.export.Dim("tokens", min=1, max=256)
+    ep = torch.export.export(m, (x,), dynamic_shapes=({0: tokens},))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert f"kiln.linear_{scheme}.default" in targets
+    for rows in (1, 5, 33):
+        xi = torch.randn(rows, 64)
+        torch.testing.assert_close(ep.module()(xi), m(xi))
+
+
+def test_quant_linear_matches_float_linear():
+    lin = nn.Linear(128, 64)
+    x = torch.randn(3, 128)
+    q = QuantLinear.from_linear(lin, "int8")
+    torch.testing.assert_close(q(x), lin(x), rtol=0.02, atol=0.02)
+    s = torch.rand(128) + 0.5                       # AWQ input scale keeps the product
+    qs = QuantLinear.from_linear(lin, "int8", input_scale=s)
+    torch.testing.assert_close(qs(x), lin(x), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.model
+def test_quant_linear_compiles_with_aoti(tmp_path):
+    m = _Tiny("int4", 32).eval()
+    x = torch.randn(5, 64)
+    tokens = torch.export.Dim("tokens", min=1, max=256)
+    ep = torch.export.export(m, (x,), dynamic_shapes=({0: tokens},))
+    pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "q.pt2"))
+    runner = torch._inductor.aoti_load_package(pkg)
+    for rows in (1, 17):
+        xi = torch.randn(rows, 64)
+        torch.testing.assert_close(runner(xi), m(xi), rtol=1e-4, atol=1e-4)

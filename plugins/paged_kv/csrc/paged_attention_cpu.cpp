@@ -6,8 +6,8 @@
 //
 //        rows of a work item = the tile's query tokens x the G = H/KVH heads of one kv head
 //        for each K/V block of the partition (read through block_tables, never gathered):
-//            Kt[D][bs]  <- the block's keys, transposed to float (read once per tile)
-//            S[r][c]    =  (scale * Q[r]) . Kt[:, c]       (vectorized over the keys c)
+//            S[r][c]    =  (scale * Q[r]) . K[c]   (K read once per tile; for many rows it is
+//                          first transposed to Kt[D][bs] to vectorize over the keys c)
 //            online softmax (running max m, sum l) and O[r] += p[r][c] * V[c]  (float32)
 //
 // Long contexts with few work items (decode at small batch) are split into partitions of
@@ -29,6 +29,8 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Rows of a work item from which transposing each K block pays off.
+constexpr int64_t kTransposeRows = 8;
 
 // An int32 or int64 index tensor read as int64 (the metadata may come in either dtype).
 struct Index {
@@ -59,24 +61,81 @@ inline void axpy(float* y, const float* x, float a, int64_t n) {
   for (; d < n; ++d) y[d] += a * x[d];
 }
 
-inline void scale_row(float* y, float a, int64_t n) {
-  const Vec va(a);
-  int64_t d = 0;
-  for (; d + kVec <= n; d += kVec) (Vec::loadu(y + d) * va).store(y + d);
-  for (; d < n; ++d) y[d] *= a;
-}
-
-// s[0:ldk] = q . kt[:, 0:ldk] for 1..4 rows at once (kt is [D][ldk], ldk % kVec == 0).
+// s[0:ldk] = q . kt[:, 0:ldk] for NR rows at once (kt is [D][ldk], ldk % kVec == 0),
+// two column vectors per pass: 2*NR independent FMA chains.
 template <int NR>
 inline void scores_rows(const float* q, int64_t D, const float* kt, int64_t ldk, float* s) {
-  for (int64_t c = 0; c < ldk; c += kVec) {
-    Vec acc[NR];
-    for (int i = 0; i < NR; ++i) acc[i] = Vec(0.f);
+  int64_t c = 0;
+  for (; c + 2 * kVec <= ldk; c += 2 * kVec) {
+    Vec a[NR], b[NR];
+    for (int i = 0; i < NR; ++i) a[i] = b[i] = Vec(0.f);
     for (int64_t d = 0; d < D; ++d) {
-      const Vec kv = Vec::loadu(kt + d * ldk + c);
-      for (int i = 0; i < NR; ++i) acc[i] = at::vec::fmadd(Vec(q[i * D + d]), kv, acc[i]);
+      const Vec k0 = Vec::loadu(kt + d * ldk + c), k1 = Vec::loadu(kt + d * ldk + c + kVec);
+      for (int i = 0; i < NR; ++i) {
+        const Vec qd(q[i * D + d]);
+        a[i] = at::vec::fmadd(qd, k0, a[i]);
+        b[i] = at::vec::fmadd(qd, k1, b[i]);
+      }
     }
-    for (int i = 0; i < NR; ++i) acc[i].store(s + i * ldk + c);
+    for (int i = 0; i < NR; ++i) {
+      a[i].store(s + i * ldk + c);
+      b[i].store(s + i * ldk + c + kVec);
+    }
+  }
+  for (; c < ldk; c += kVec) {
+    Vec a[NR];
+    for (int i = 0; i < NR; ++i) a[i] = Vec(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      const Vec k0 = Vec::loadu(kt + d * ldk + c);
+      for (int i = 0; i < NR; ++i) a[i] = at::vec::fmadd(Vec(q[i * D + d]), k0, a[i]);
+    }
+    for (int i = 0; i < NR; ++i) a[i].store(s + i * ldk + c);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc0(0.f), acc1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * kVec <= n; d += 2 * kVec) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + kVec), Vec::loadu(b + d + kVec), acc1);
+  }
+  for (; d + kVec <= n; d += kVec) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  float r = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < n; ++d) r += a[d] * b[d];
+  return r;
+}
+
+// o = o * corr + sum_c p[c] * v[c] over n rows of v; D in register blocks of 4 vectors.
+inline void pv_row(float* o, float corr, const float* p, int64_t n, const float* v,
+                   int64_t vstride, int64_t D) {
+  const Vec vc(corr);
+  int64_t d = 0;
+  for (; d + 4 * kVec <= D; d += 4 * kVec) {
+    Vec a0 = Vec::loadu(o + d) * vc, a1 = Vec::loadu(o + d + kVec) * vc;
+    Vec a2 = Vec::loadu(o + d + 2 * kVec) * vc, a3 = Vec::loadu(o + d + 3 * kVec) * vc;
+    for (int64_t c = 0; c < n; ++c) {
+      const Vec pc(p[c]);
+      const float* vr = v + c * vstride + d;
+      a0 = at::vec::fmadd(pc, Vec::loadu(vr), a0);
+      a1 = at::vec::fmadd(pc, Vec::loadu(vr + kVec), a1);
+      a2 = at::vec::fmadd(pc, Vec::loadu(vr + 2 * kVec), a2);
+      a3 = at::vec::fmadd(pc, Vec::loadu(vr + 3 * kVec), a3);
+    }
+    a0.store(o + d);
+    a1.store(o + d + kVec);
+    a2.store(o + d + 2 * kVec);
+    a3.store(o + d + 3 * kVec);
+  }
+  for (; d + kVec <= D; d += kVec) {
+    Vec a = Vec::loadu(o + d) * vc;
+    for (int64_t c = 0; c < n; ++c) a = at::vec::fmadd(Vec(p[c]), Vec::loadu(v + c * vstride + d), a);
+    a.store(o + d);
+  }
+  for (; d < D; ++d) {
+    float a = o[d] * corr;
+    for (int64_t c = 0; c < n; ++c) a += p[c] * v[c * vstride + d];
+    o[d] = a;
   }
 }
 
@@ -106,7 +165,7 @@ template <typename scalar_t, typename cache_t>
 void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t* q,
                  const cache_t* kc, const cache_t* vc, const Index& bt, scalar_t* out,
                  float* ws, float* qf, float* of, float* m, float* l, float* s, float* kt,
-                 float* vf) {
+                 float* kf, float* vf) {
   const int64_t D = P.D, G = P.G, bs = P.bs, ldk = P.ldk;
   const int64_t R = g.nq * G;
   const int64_t kv_end = g.pos0 + g.nq;  // keys the tile's last token sees
@@ -127,31 +186,41 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
     const int64_t phys = bt(g.b, blk);
     const cache_t* kb = kc + phys * P.cache_blk + g.kh * D;
     const cache_t* vb = vc + phys * P.cache_blk + g.kh * D;
-    // Keys transposed to float [D][ldk] (zero past ncols); values as float rows [c][D].
-    for (int64_t c = 0; c < ncols; ++c) {
-      const cache_t* kr = kb + c * P.cache_tok;
-      for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = static_cast<float>(kr[d]);
-    }
-    for (int64_t c = ncols; c < ldk; ++c)
-      for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = 0.f;
-    const float* vrows;
-    int64_t vstride;
+    // Keys and values as float rows [c][D] (the pool itself when it is float32).
+    const float *krows, *vrows;
+    int64_t kvstride;
     if constexpr (std::is_same_v<cache_t, float>) {
+      krows = kb;
       vrows = vb;
-      vstride = P.cache_tok;
+      kvstride = P.cache_tok;
     } else {
-      for (int64_t c = 0; c < ncols; ++c) to_float(vb + c * P.cache_tok, vf + c * D, D);
+      for (int64_t c = 0; c < ncols; ++c) {
+        to_float(kb + c * P.cache_tok, kf + c * D, D);
+        to_float(vb + c * P.cache_tok, vf + c * D, D);
+      }
+      krows = kf;
       vrows = vf;
-      vstride = D;
+      kvstride = D;
     }
     // First row (in tile order) that sees any key of this block: rows of token j see
     // positions <= pos0 + j.
-    const int64_t j_first = std::max<int64_t>(0, start - g.pos0);
-    int64_t r = j_first * G;
-    for (; r + 4 <= R; r += 4) scores_rows<4>(qf + r * D, D, kt, ldk, s + r * ldk);
-    for (; r < R; ++r) scores_rows<1>(qf + r * D, D, kt, ldk, s + r * ldk);
+    const int64_t r0 = std::max<int64_t>(0, start - g.pos0) * G;
+    if (R - r0 >= kTransposeRows) {
+      // Many rows: transpose K once to [D][ldk] (zero past ncols), vectorize over keys.
+      for (int64_t c = 0; c < ncols; ++c)
+        for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = krows[c * kvstride + d];
+      for (int64_t c = ncols; c < ldk; ++c)
+        for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = 0.f;
+      int64_t r = r0;
+      for (; r + 4 <= R; r += 4) scores_rows<4>(qf + r * D, D, kt, ldk, s + r * ldk);
+      for (; r < R; ++r) scores_rows<1>(qf + r * D, D, kt, ldk, s + r * ldk);
+    } else {
+      // Few rows (decode): dot products straight from the block.
+      for (int64_t c = 0; c < ncols; ++c)
+        for (int64_t r = r0; r < R; ++r) s[r * ldk + c] = dot(qf + r * D, krows + c * kvstride, D);
+    }
 
-    for (r = j_first * G; r < R; ++r) {
+    for (int64_t r = r0; r < R; ++r) {
       const int64_t pos = g.pos0 + r / G;
       const int64_t nvalid = std::min(ncols, pos - start + 1);
       float* sr = s + r * ldk;
@@ -172,9 +241,7 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       }
       m[r] = mx;
       l[r] = l[r] * corr + sum;
-      float* orow = of + r * D;
-      if (corr != 1.f) scale_row(orow, corr, D);
-      for (c = 0; c < nvalid; ++c) axpy(orow, vrows + c * vstride, sr[c], D);
+      pv_row(of + r * D, corr, sr, nvalid, vrows, kvstride, D);
     }
   }
 
@@ -255,18 +322,19 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     // Scratch for this thread's chunk of items: Q tile, O tile, m, l, scores, K^T, V.
-    std::vector<float> buf(2 * R * D + 2 * R + R * P.ldk + D * P.ldk + P.bs * D);
+    std::vector<float> buf(2 * R * D + 2 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D);
     float* qf = buf.data();
     float* of = qf + R * D;
     float* m = of + R * D;
     float* l = m + R;
     float* s = l + R;
     float* kt = s + R * P.ldk;
-    float* vf = kt + D * P.ldk;
+    float* kf = kt + D * P.ldk;
+    float* vf = kf + P.bs * D;
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       attend_item<scalar_t, cache_t>(P, groups[it.group], it.part, qp, kc, vc, bt, op, ws, qf,
-                                     of, m, l, s, kt, vf);
+                                     of, m, l, s, kt, kf, vf);
     }
   });
 

@@ -1,0 +1,73 @@
+"""Microbenchmark of kiln::paged_attention on CPU: compiled kernel vs pure-torch reference.
+
+SmolLM2-135M attention shapes (H=9, KVH=3, D=64, 16 tokens per block), one layer:
+decode at batch 1 and 32 with 512 tokens of context, and one 512-token prefill chunk.
+
+    python bench/paged_attention_micro.py [--threads N] [--iters N]
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from plugins.paged_kv import kernels
+from plugins.paged_kv.ops import paged_attention_reference
+
+H, KVH, D, BS = 9, 3, 64, 16
+
+
+def make_inputs(seqs, dtype=torch.float32, max_seq_len=2048, seed=0):
+    """seqs: [(tokens already in the pool, tokens this step)] -> the op's arguments."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = math.ceil(max_seq_len / BS)
+    need = [math.ceil((c + n) / BS) for c, n in seqs]
+    num_blocks = sum(need) + 8
+    perm = torch.randperm(num_blocks, generator=g)
+    bt = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+    slots, qsl, off = [], [0], 0
+    for b, ((ctx, n), nb) in enumerate(zip(seqs, need)):
+        bt[b, :nb] = perm[off:off + nb]
+        off += nb
+        slots += [int(bt[b, p // BS]) * BS + p % BS for p in range(ctx, ctx + n)]
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1]
+    return (torch.randn(T, H, D, generator=g).to(dtype), torch.randn(T, KVH, D, generator=g).to(dtype),
+            torch.randn(T, KVH, D, generator=g).to(dtype),
+            torch.randn(num_blocks, BS, KVH, D, generator=g).to(dtype),
+            torch.randn(num_blocks, BS, KVH, D, generator=g).to(dtype),
+            torch.tensor(slots), bt, torch.tensor([c + n for c, n in seqs]), torch.tensor(qsl),
+            1.0 / math.sqrt(D))
+
+
+def timeit(fn, args, iters):
+    for _ in range(3):
+        fn(*args)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn(*args)
+    return (time.perf_counter() - t0) / iters
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    kernels.load()
+    cases = {"decode b=1 ctx=512": [(511, 1)], "decode b=32 ctx=512": [(511, 1)] * 32,
+             "prefill chunk 512": [(0, 512)]}
+    print(f"threads={a.threads}  H={H} KVH={KVH} D={D} block={BS}  (one layer, fp32)")
+    print(f"{'case':<22}{'kernel ms':>11}{'reference ms':>14}{'speedup':>9}")
+    for name, seqs in cases.items():
+        args = make_inputs(seqs)
+        tk = timeit(torch.ops.kiln.paged_attention, args, a.iters)
+        tr = timeit(paged_attention_reference, args, max(3, a.iters // 4))
+        print(f"{name:<22}{tk * 1e3:>11.3f}{tr * 1e3:>14.3f}{tr / tk:>8.1f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -17,15 +17,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from builder import compile as kcompile
-from builder.fingerprint import build_target, fingerprint, fingerprint_inputs, toolchain
 from builder.progress import Progress
 from builder.spec import Spec, SpecError, load_spec, parse_memory
-from runtime.plan import FORMAT_VERSION, MANIFEST, read_manifest, sha256_file
+from builder.uptodate import quick_key, quick_up_to_date
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# torch, the checkpoint readers and the compiler are imported inside the functions that
+# need them: an up-to-date check must answer in well under 2 seconds.
 
 
 class BuildError(RuntimeError):
@@ -58,12 +55,16 @@ def check_spec_against_model(spec: Spec, cfg) -> None:
 
 
 def plan_fingerprint(spec: Spec, ckpt) -> tuple[str, dict]:
+    from builder.fingerprint import fingerprint, fingerprint_inputs
+
     inputs = fingerprint_inputs(spec, ckpt.weights_digest)
     return fingerprint(inputs), inputs
 
 
 def is_up_to_date(out: Path, fp: str) -> bool:
     """A plan at `out` with this fingerprint whose files are all present at their sizes."""
+    from runtime.plan import FORMAT_VERSION, read_manifest
+
     try:
         manifest = read_manifest(out)
     except Exception:
@@ -84,16 +85,21 @@ def kv_budget(spec: Spec) -> dict:
 def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
           force: bool = False, progress: Progress | None = None) -> BuildResult:
     """Build the plan for a spec (or report it up to date). Raises SpecError/BuildError."""
-    from builder.sources import open_checkpoint
-
     t0 = time.perf_counter()
     progress = progress or Progress()
     spec = load_spec(spec_path)
     out = Path(out) if out else default_output(spec)
+    if not force and (manifest := quick_up_to_date(spec, out)) is not None:
+        return BuildResult(out, manifest["fingerprint"], False, "up to date",
+                           time.perf_counter() - t0, manifest)
+    from builder.sources import open_checkpoint
+
     ckpt = open_checkpoint(spec.model)
     check_spec_against_model(spec, ckpt.config)
     fp, fp_inputs = plan_fingerprint(spec, ckpt)
     if not force and is_up_to_date(out, fp):
+        from runtime.plan import read_manifest
+
         manifest = read_manifest(out)
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
@@ -124,12 +130,17 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict,
                 progress: Progress) -> dict:
-    from builder.sources import load_model
+    import torch
 
+    from builder import compile as kcompile
+    from builder.fingerprint import build_target, toolchain
+    from builder.sources import load_model
+    from runtime.plan import FORMAT_VERSION, MANIFEST, sha256_file
+
+    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     cfg = ckpt.config
     progress.stage(f"loading weights: {ckpt.source_desc}")
-    model = load_model(ckpt, dtype=DTYPES.get(spec.precision.weights, torch.float32),
-                       progress=progress)
+    model = load_model(ckpt, dtype=DTYPES.get(spec.precision.weights, torch.float32))
     model.eval()
 
     quant_info = {"weights": spec.precision.weights, "scheme": None}
@@ -171,6 +182,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
         "name": spec.name,
         "fingerprint": fp,
         "fingerprint_inputs": fp_inputs,
+        "quick_key": quick_key(spec),
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "spec_path": os.path.relpath(spec_path) if not os.path.isabs(str(spec_path)) else str(spec_path),
         "spec": spec.canonical(),

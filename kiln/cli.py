@@ -27,15 +27,18 @@ def build(spec: Path = typer.Argument(..., help="the spec YAML"),
     """Build a plan from a spec (skipped when the plan is up to date)."""
     from builder.build import BuildError, build as do_build
     from builder.progress import Progress
-    from builder.sources import CheckpointError
     from builder.spec import SpecError
 
     try:
         res = do_build(spec, out, force=force, progress=Progress(enabled=not quiet))
     except SpecError as e:
         _fail(str(e), 2)
-    except (CheckpointError, BuildError) as e:
-        _fail(str(e), 1)
+    except Exception as e:
+        from builder.sources import CheckpointError  # imports torch: only on this path
+
+        if isinstance(e, (CheckpointError, BuildError)):
+            _fail(str(e), 1)
+        raise
     if res.rebuilt:
         typer.echo(f"built {res.path} (fingerprint {res.fingerprint[:16]}) in {res.seconds:.1f}s")
     else:

@@ -1,0 +1,101 @@
+"""The fast "is this plan up to date?" check, without importing torch.
+
+The fingerprint needs the weights digest and the compile target, which cost seconds to
+compute (hashing, importing torch). A plan therefore also records a *quick key*: a hash of
+the resolved spec, the source files' paths, sizes and mtimes, the kiln and torch versions
+(from package metadata) and this CPU's flags. When the quick key matches, nothing that
+determines the fingerprint can have changed, so the plan is up to date; when it does not,
+`kiln build` computes the real fingerprint (a touched but unchanged file still matches it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import metadata
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+from builder.spec import Spec
+
+PKG_SCHEME = "pkg://"
+
+
+def find_package_dir(package: str) -> Path | None:
+    """The directory of an installed package, found on sys.path WITHOUT importing it."""
+    locations = None
+    for part in package.split("."):
+        spec = PathFinder.find_spec(part, locations)
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        locations = list(spec.submodule_search_locations)
+    return Path(locations[0])
+
+
+def _source_files(source: str) -> list[Path] | None:
+    if source == "random":
+        return []
+    if source.startswith(PKG_SCHEME):
+        package, _, rel = source[len(PKG_SCHEME):].partition("/")
+        root = find_package_dir(package)
+        if root is None:
+            return None
+        source = str(root / rel)
+    path = Path(os.path.expanduser(source))
+    if path.is_file():
+        return [path.resolve()]
+    if path.is_dir():
+        return sorted(p.resolve() for p in path.iterdir() if p.is_file())
+    return None
+
+
+def _cpu_flags_digest() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return hashlib.sha256(" ".join(sorted(line.split(":", 1)[1].split())).encode()).hexdigest()
+    return "unknown"
+
+
+def quick_key(spec: Spec) -> str | None:
+    """A cheap key that changes whenever any fingerprint input may have changed."""
+    import kiln
+
+    files = _source_files(spec.model.source)
+    if files is None:
+        return None
+    if spec.model.tokenizer:
+        tok = _source_files(spec.model.tokenizer)
+        if tok is None:
+            return None
+        files += tok
+    stats = []
+    for f in files:
+        st = f.stat()
+        stats.append([str(f), st.st_size, st.st_mtime_ns])
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+    data = {"spec": spec.canonical(), "files": stats, "kiln": kiln.__version__,
+            "torch": torch_version, "cpu": _cpu_flags_digest(), "format": 1}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def quick_up_to_date(spec: Spec, out: Path) -> dict | None:
+    """The plan's manifest if the plan at `out` is up to date by its quick key, else None."""
+    try:
+        manifest = json.loads((out / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+    key = quick_key(spec)
+    if key is None or manifest.get("quick_key") != key:
+        return None
+    for rel, meta in manifest.get("files", {}).items():
+        f = out / rel
+        if not f.is_file() or f.stat().st_size != meta.get("size"):
+            return None
+    return manifest

@@ -94,3 +94,75 @@ def test_group_size_not_allowed_raises():
 def test_unknown_scheme_raises():
     with pytest.raises(ValueError, match="int8"):
         formats.quantize(torch.randn(4, 32), "int3")
+
+
+# ---------------------------------------------------------------- builder/quantize.py
+
+def _tiny_llama():
+    from builder.arch.llama import LlamaConfig, LlamaModel
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    return LlamaModel(cfg).eval()
+
+
+def _run(model, T=8, bs=4):
+    """One prefill step of a single T-token sequence -> logits [1, vocab]."""
+    cfg = model.cfg
+    nblk = (T + bs - 1) // bs
+    caches = [torch.zeros(nblk, bs, cfg.num_kv_heads, cfg.head_dim) for _ in range(2 * cfg.num_layers)]
+    ids = torch.arange(T) % cfg.vocab_size
+    with torch.no_grad():
+        return model(ids, torch.arange(T), torch.arange(T), torch.arange(nblk)[None],
+                     torch.tensor([T]), torch.tensor([0, T]), torch.tensor([T - 1]),
+                     caches[:cfg.num_layers], caches[cfg.num_layers:])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+def test_quantize_model_swaps_linears_and_keeps_outputs_close(scheme):
+    from builder.quantize import quantize_model
+    from plugins.quant.modules import QuantLinear
+    model = _tiny_llama()
+    ref = _run(model)
+    report = quantize_model(model, scheme, calibration=_run if scheme == "int4" else None)
+    assert len(report["quantized"]) == 8 and "output" not in report["quantized"]
+    assert isinstance(model.layers[0].feed_forward.w2, QuantLinear)
+    assert model.output is None                                  # lm_head kept (tied)
+    assert report["group_size"] == (32 if scheme == "int4" else None)   # largest dividing 64, 96
+    assert report["method"] == ("awq" if scheme == "int4" else "rtn")
+    assert report["bytes_after"] < report["bytes_before"]
+    out = _run(model)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert rel < {"int8": 0.02, "fp8": 0.06, "int4": 0.25}[scheme], rel
+
+
+def test_quantize_model_group_size_error_names_layer_and_group_size():
+    from builder.quantize import quantize_model
+    model = _tiny_llama()
+    with pytest.raises(ValueError, match=r"w2: int4 group_size 64 does not divide"):
+        quantize_model(model, "int4", group_size=64)
+
+
+def test_quantize_model_lm_head_and_keep_list():
+    from builder.quantize import quantize_model
+    from plugins.quant.modules import QuantLinear
+    model = _tiny_llama()
+    report = quantize_model(model, "int8", keep_high_precision=("embed", "w2"))
+    assert isinstance(model.output, QuantLinear)             # tied head got a quantized copy
+    assert isinstance(model.tok_embeddings, torch.nn.Embedding)
+    assert not isinstance(model.layers[1].feed_forward.w2, QuantLinear)
+    assert "output" in report["quantized"]
+    with pytest.raises(ValueError, match="nope"):
+        quantize_model(_tiny_llama(), "int8", keep_high_precision=("embed", "lm_head", "nope"))
+
+
+def test_awq_search_never_worse_than_rtn():
+    from builder.quantize import awq_search
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 128, generator=g) * (torch.rand(128, generator=g) * 10) ** 2
+    w = torch.randn(64, 128, generator=g)
+    s, alpha = awq_search(w, x, "int4", 32)
+    rtn = formats.dequantize(formats.quantize(w, "int4", 32))
+    awq = formats.dequantize(formats.quantize(w * (1 / s)[None], "int4", 32)) * s[None]
+    err = lambda wq: (x @ (w - wq).T).pow(2).mean().item()
+    assert err(awq) <= err(rtn) * 1.0001 and 0.0 <= alpha <= 1.0

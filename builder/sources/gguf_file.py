@@ -6,6 +6,7 @@ weights_digest is the sha256 of the file (what `sha256sum` prints).
 """
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -105,8 +106,18 @@ def _dequantize(t, path: Path) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
 
 
-def open_gguf(path: Path) -> Checkpoint:
+def _quant_name(meta: dict, tensors) -> str:
+    """Q4_1, Q8_0, F16 ...: the file type, else the commonest type of the 2-D tensors."""
     import gguf
+    try:
+        name = gguf.LlamaFileType(meta["general.file_type"]).name
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (KeyError, ValueError):
+        kinds = Counter(t.tensor_type.name for t in tensors if len(t.shape) >= 2)
+        return kinds.most_common(1)[0][0] if kinds else "no tensors"
+
+
+def open_gguf(path: Path) -> Checkpoint:
     reader = _reader(path)
     meta = _metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
@@ -130,10 +141,7 @@ def open_gguf(path: Path) -> Checkpoint:
                                        meta.get("tokenizer.ggml.model") == "llama"))
         and bos is not None and bos < len(toks),
     }
-    try:
-        qname = gguf.LlamaFileType(meta["general.file_type"]).name.removeprefix("MOSTLY_")
-    except (KeyError, ValueError):
-        qname = "unknown file type"
+    qname = _quant_name(meta, reader.tensors)
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for m in plan:

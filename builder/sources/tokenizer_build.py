@@ -81,12 +81,16 @@ def _add_typed_tokens(tok: Tokenizer, tokens: list[str], types: list[int],
         tok.add_tokens(user)
 
 
-def _gpt2_bpe(tokens: list[str], merges: list[str], pre: Optional[str]) -> tuple[Tokenizer, set]:
+def _gpt2_bpe(tokens: list[str], merges: Optional[list[str]],
+              pre: Optional[str]) -> tuple[Tokenizer, set]:
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
              for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ")) for m in merges]
+    if merges is None:     # none stored: the ones the vocabulary implies, in id order
+        pairs = merges_from_scores(list(vocab), None)
+    else:
+        pairs = [tuple(m.split(" ")) for m in merges]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, dropout=None, unk_token=None,
                                continuing_subword_prefix="", end_of_word_suffix="",
                                fuse_unk=False, byte_fallback=False))
@@ -101,17 +105,18 @@ def _gpt2_bpe(tokens: list[str], merges: list[str], pre: Optional[str]) -> tuple
     return tok, alphabet
 
 
-def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """Merges implied by a SentencePiece vocabulary: every split of a token into two
-    tokens, best score first (transformers' `generate_merges`)."""
+def merges_from_scores(tokens: list[str], scores: Optional[list[float]]) -> list[tuple[str, str]]:
+    """Merges implied by a vocabulary: every split of a token into two tokens, best score
+    first, or lowest id first without scores (transformers' `generate_merges`)."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    reverse = scores is not None
     out = []
-    for tok, score in zip(tokens, scores):
+    for tok, score in zip(tokens, scores if reverse else range(len(tokens))):
         local = [(tok[:k], tok[k:], score) for k in range(1, len(tok))
                  if tok[:k] in vocab and tok[k:] in vocab]
         local.sort(key=lambda x: (vocab[x[0]], vocab[x[1]]))
         out.extend(local)
-    out.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=True)
+    out.sort(key=lambda v: (v[2], len(v[0]), len(v[1])), reverse=reverse)
     return [(a, b) for a, b, _ in out]
 
 
@@ -143,9 +148,7 @@ def from_gguf_vocab(meta: dict, where: str) -> str:
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
     if kind == "gpt2":
-        if "tokenizer.ggml.merges" not in meta:
-            raise ValueError(f"{where}: gpt2 tokenizer without tokenizer.ggml.merges")
-        tok, alphabet = _gpt2_bpe(tokens, meta["tokenizer.ggml.merges"],
+        tok, alphabet = _gpt2_bpe(tokens, meta.get("tokenizer.ggml.merges"),
                                   meta.get("tokenizer.ggml.pre"))
         _add_typed_tokens(tok, tokens, types, alphabet)
     elif kind == "llama":

@@ -1,0 +1,237 @@
+"""Tiny HF checkpoints (save_pretrained) and GGUFs (GGUFWriter) through our loader, checked
+token-for-token against transformers."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from builder.arch.llama_loader import permute_rope
+from builder.sources import load_model, open_checkpoint
+from builder.sources.tokenizer_build import byte_level
+from builder.spec import ModelSection, RandomArch
+from tests.helpers import greedy_generate
+
+pytestmark = pytest.mark.model
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 320
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            bos_token_id=1, eos_token_id=2, initializer_range=0.1)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16,
+               "rope_theta": 10000.0}
+CASES = {
+    "llama": ("llama", dict(tie_word_embeddings=False), {}),
+    "llama3_rope": ("llama", dict(tie_word_embeddings=False, rope_scaling=LLAMA3_ROPE), {}),
+    "qwen2_bias": ("qwen2", dict(tie_word_embeddings=False), {}),
+    "tied": ("llama", dict(tie_word_embeddings=True), {}),
+    "sharded": ("llama", dict(tie_word_embeddings=False), dict(max_shard_size="60KB")),
+}
+PROMPTS = [[5, 77, 200, 31, 9], list(range(40, 51)), [300, 12] * 9 + [7]]
+NEW_TOKENS = 32
+
+
+def _hf_model(family: str, cfg_kw: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+    model = cls[1](cls[0](**TINY, **cfg_kw)).eval()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: make mapping errors show
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.generation_config.eos_token_id = None   # always generate NEW_TOKENS
+    return model
+
+
+def _write_tokenizer(d, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"):
+    with open(os.path.join(d, "tokenizer.json"), "w") as f:
+        f.write(byte_level(VOCAB, 1, 2))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": chat_template, "eos_token": "</s>", "bos_token": "<s>"}, f)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def hf_case(request, tmp_path_factory):
+    family, cfg_kw, save_kw = CASES[request.param]
+    d = tmp_path_factory.mktemp(request.param)
+    model = _hf_model(family, cfg_kw)
+    model.save_pretrained(d, **save_kw)
+    _write_tokenizer(d)
+    return request.param, d, model
+
+
+def _compare_with_hf(ours, hf_model, shuffle: bool):
+    got = greedy_generate(ours, PROMPTS, NEW_TOKENS, tokens_per_block=4, shuffle_blocks=shuffle)
+    for i, prompt in enumerate(PROMPTS):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            ref = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+            new = ref[0, len(prompt):].tolist()
+            first = hf_model(x).logits[0, -1]
+            last = hf_model(ref[:, :-1]).logits[0, -1]
+        assert first.std() > 0.1, "logits too flat for a 1e-3 check to mean anything"
+        assert (got.prefill_logits[i] - first).abs().max() < 1e-3
+        assert (got.step_logits[i][-1] - last).abs().max() < 1e-3
+        assert got.tokens[i] == new, f"prompt {i}"
+
+
+def test_hf_dir_matches_transformers(hf_case, digest_cache):
+    name, d, hf_model = hf_case
+    ckpt = open_checkpoint(ModelSection(source=str(d)))
+    assert ckpt.source_desc == f"hf dir {d}"
+    assert ckpt.config.tie_word_embeddings == (name == "tied")
+    assert ckpt.config.attention_bias == (name == "qwen2_bias")
+    assert (ckpt.config.rope_scaling is not None) == (name == "llama3_rope")
+    if name == "sharded":
+        assert (d / "model.safetensors.index.json").exists()
+        assert len(list(d.glob("*.safetensors"))) > 1
+    assert ckpt.generation == {"bos_token_id": 1, "eos_token_ids": [2], "pad_token_id": None,
+                               "chat_template": "{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}", "add_bos_token": False}
+    _compare_with_hf(load_model(ckpt), hf_model, shuffle=name != "llama")
+
+
+def test_weights_digest_is_stable_and_cached(tmp_path, digest_cache):
+    d = tmp_path / "ckpt"
+    _hf_model("llama", dict(tie_word_embeddings=True)).save_pretrained(d)
+    _write_tokenizer(d)
+    a = open_checkpoint(ModelSection(source=str(d))).weights_digest
+    assert digest_cache.exists()
+    assert open_checkpoint(ModelSection(source=str(d))).weights_digest == a
+    cfg = d / "config.json"
+    st = cfg.stat()
+    os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: recomputed, same
+    assert open_checkpoint(ModelSection(source=str(d), revision=a)).weights_digest == a
+
+
+# --- GGUF written from a HF model ----------------------------------------------------------
+
+def _write_gguf(path, family: str, hf_model, dtype=np.float32):
+    import gguf
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), family)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(cfg.vocab_size)
+    tok = json.loads(byte_level(VOCAB, 1, 2))
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if family == "qwen2" else "smollm")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t, _ in vocab])
+    w.add_token_merges([])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template("{{ messages[0]['content'] }}")
+    names = {"embed_tokens": "token_embd", "input_layernorm": "attn_norm",
+             "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in hf_model.state_dict().items():
+        t = t.detach().float()
+        if name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            out = "output.weight"
+        elif name == "model.norm.weight":
+            out = "output_norm.weight"
+        else:
+            rest = name.removeprefix("model.")
+            for hf, gg in names.items():
+                rest = rest.replace(hf, gg)
+            out = rest.replace("layers.", "blk.")
+            if family == "llama" and ".attn_q." in out:       # llama.cpp's rope layout
+                t = permute_rope(t, cfg.num_attention_heads)
+            elif family == "llama" and ".attn_k." in out:
+                t = permute_rope(t, cfg.num_key_value_heads)
+        w.add_tensor(out, t.numpy().astype(dtype if t.ndim == 2 else np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_gguf_matches_hf(tmp_path, digest_cache, family, tied):
+    hf_model = _hf_model(family, dict(tie_word_embeddings=tied), seed=1)
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, family, hf_model)
+    ckpt = open_checkpoint(ModelSection(source=str(path)))
+    assert ckpt.source_desc == f"gguf {path} (F32)"
+    assert ckpt.config.tie_word_embeddings == tied
+    assert ckpt.config.attention_bias == (family == "qwen2")
+    assert ckpt.generation["chat_template"] == "{{ messages[0]['content'] }}"
+    hf_dir = tmp_path / "hf"
+    hf_model.save_pretrained(hf_dir)
+    _write_tokenizer(hf_dir)
+    from_hf = dict(open_checkpoint(ModelSection(source=str(hf_dir))).tensors())
+    for name, t in ckpt.tensors():          # the GGUF, un-permuted, equals the HF source
+        assert torch.equal(t, from_hf.pop(name)), name
+    assert not from_hf
+    tok = Tokenizer.from_str(ckpt.tokenizer_json)
+    text = "héllo wörld 🤖</s>"
+    assert tok.decode(tok.encode(text).ids, skip_special_tokens=False) == text
+    _compare_with_hf(load_model(ckpt), hf_model, shuffle=True)
+
+
+def test_gguf_f16_dequantized(tmp_path, digest_cache):
+    hf_model = _hf_model("llama", dict(tie_word_embeddings=False), seed=2)
+    path = tmp_path / "f16.gguf"
+    _write_gguf(path, "llama", hf_model, dtype=np.float16)
+    ckpt = open_checkpoint(ModelSection(source=str(path)))
+    got = dict(ckpt.tensors())
+    ref = hf_model.state_dict()["model.layers.0.mlp.down_proj.weight"].half().float()
+    assert torch.equal(got["layers.0.feed_forward.w2.weight"], ref)
+
+
+# --- random ---------------------------------------------------------------------------------
+
+ARCH = RandomArch(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_random_is_deterministic():
+    a = open_checkpoint(ModelSection(source="random", arch=ARCH, seed=0))
+    b = open_checkpoint(ModelSection(source="random", arch=ARCH, seed=0))
+    c = open_checkpoint(ModelSection(source="random", arch=ARCH, seed=1))
+    assert a.weights_digest == b.weights_digest != c.weights_digest
+    assert a.source_desc == "random seed 0"
+    assert a.config.tie_word_embeddings and a.config.num_kv_heads == 2
+    ta, tb, tc = dict(a.tensors()), dict(b.tensors()), dict(c.tensors())
+    assert all(torch.equal(ta[n], tb[n]) for n in ta)
+    assert not torch.equal(ta["tok_embeddings.weight"], tc["tok_embeddings.weight"])
+    assert abs(ta["norm.weight"].mean().item() - 1) < 0.01
+    assert abs(ta["layers.0.attention.wo.weight"].std().item() - 0.02) < 0.002
+    tok = Tokenizer.from_str(a.tokenizer_json)
+    assert tok.get_vocab_size() == 300
+    assert tok.token_to_id("<s>") == 1 and tok.token_to_id("</s>") == 2
+    text = "any bytes: ü 日本 🤖"
+    assert tok.decode(tok.encode(text).ids) == text
+    model = load_model(a)
+    out = greedy_generate(model, [tok.encode("hello").ids], 4)
+    assert len(out.tokens[0]) == 4
+
+
+def test_random_small_vocab_tokenizer():
+    arch = ARCH.model_copy(update={"vocab_size": 64})
+    ckpt = open_checkpoint(ModelSection(source="random", arch=arch))
+    tok = Tokenizer.from_str(ckpt.tokenizer_json)
+    assert tok.get_vocab_size() == 64
+    assert max(tok.encode("zzz ~~~ ü").ids) < 64
+    load_model(ckpt)

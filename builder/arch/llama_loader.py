@@ -139,11 +139,16 @@ class Mapped:
     pieces: tuple[Piece, ...]     # names with the layer index filled in
 
     def build(self, read: Callable[[str], torch.Tensor], cfg: LlamaConfig) -> torch.Tensor:
-        parts = []
-        for p in self.pieces:
-            t = read(p.name)
-            parts.append(p.transform(t, cfg) if p.transform else t)
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        """Read, transform and concatenate the pieces; ValueError naming them if they do
+        not fit together (a misshapen source tensor)."""
+        raw = [read(p.name) for p in self.pieces]
+        try:
+            parts = [p.transform(t, cfg) if p.transform else t for p, t in zip(self.pieces, raw)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        except RuntimeError as e:
+            shapes = ", ".join(f"{p.name} {list(t.shape)}" for p, t in zip(self.pieces, raw))
+            raise ValueError(f"cannot make {self.target} from {shapes}: "
+                             f"{str(e).splitlines()[0]}") from None
 
 
 class MappingError(ValueError):

@@ -145,7 +145,13 @@ def open_gguf(path: Path) -> Checkpoint:
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         for m in plan:
-            yield m.target, m.build(lambda n: _dequantize(tensors[n], path), config).to(dtype)
+            try:
+                t = m.build(lambda n: _dequantize(tensors[n], path), config)
+            except CheckpointError:
+                raise
+            except ValueError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+            yield m.target, t.to(dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=file_sha256(path), source_desc=f"gguf {path} ({qname})",

@@ -151,7 +151,13 @@ def open_hf_dir(root: Path) -> Checkpoint:
                                           f"{e}") from None
 
             for m in plan:
-                yield m.target, m.build(read, config).to(dtype)
+                try:
+                    t = m.build(read, config)
+                except CheckpointError:
+                    raise
+                except ValueError as e:
+                    raise CheckpointError(f"{root}: {e}") from None
+                yield m.target, t.to(dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=files_sha256(root, read_files),

@@ -1,0 +1,216 @@
+"""Broken checkpoints give a CheckpointError that names the file and the problem."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from builder.arch.llama import LlamaConfig, param_shapes
+from builder.sources import Checkpoint, CheckpointError, load_model, open_checkpoint, \
+    resolve_source
+from builder.sources.tokenizer_build import byte_level
+from builder.spec import ModelSection
+
+pytestmark = pytest.mark.unit
+
+HF_CONFIG = {"model_type": "llama", "vocab_size": 260, "hidden_size": 16,
+             "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "tie_word_embeddings": True, "bos_token_id": 1,
+             "eos_token_id": 2}
+
+
+def _hf_tensors() -> dict[str, torch.Tensor]:
+    h, i, d, v = 16, 32, 8, 260
+    p = "model.layers.0."
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+              p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+              p + "self_attn.q_proj.weight": (2 * d, h), p + "self_attn.k_proj.weight": (d, h),
+              p + "self_attn.v_proj.weight": (d, h), p + "self_attn.o_proj.weight": (h, 2 * d),
+              p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+              p + "mlp.down_proj.weight": (h, i)}
+    return {n: torch.randn(s) for n, s in shapes.items()}
+
+
+def _write_hf(d, tensors=None, config=None):
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config or HF_CONFIG))
+    (d / "tokenizer.json").write_text(byte_level(260, 1, 2))
+    save_file(tensors if tensors is not None else _hf_tensors(), str(d / "model.safetensors"))
+    return d
+
+
+def _open(path) -> Checkpoint:
+    return open_checkpoint(ModelSection(source=str(path)))
+
+
+@pytest.fixture(autouse=True)
+def _cache(digest_cache):
+    return digest_cache
+
+
+def test_good_checkpoint_loads(tmp_path):
+    model = load_model(_open(_write_hf(tmp_path / "ok")))
+    assert model.tok_embeddings.weight.shape == (260, 16)
+
+
+def test_missing_tensor(tmp_path):
+    t = _hf_tensors()
+    del t["model.layers.0.mlp.up_proj.weight"]
+    with pytest.raises(CheckpointError, match=r"missing tensors: model\.layers\.0\.mlp\.up_proj"
+                       r"\.weight \(for layers\.0\.feed_forward\.w13\.weight\)"):
+        _open(_write_hf(tmp_path / "m", t))
+
+
+def test_extra_tensor(tmp_path):
+    t = _hf_tensors()
+    t["model.layers.0.self_attn.o_proj.bias"] = torch.zeros(16)
+    t["model.rotary_emb.inv_freq"] = torch.zeros(4)          # on the ignore list: fine
+    with pytest.raises(CheckpointError, match=r"unexpected tensors \(not used by the model\): "
+                       r"model\.layers\.0\.self_attn\.o_proj\.bias$"):
+        _open(_write_hf(tmp_path / "x", t))
+
+
+def test_misshapen_tensor(tmp_path):
+    t = _hf_tensors()
+    t["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(16, 15)
+    ckpt = _open(_write_hf(tmp_path / "s", t))
+    with pytest.raises(CheckpointError, match=r"tensor layers\.0\.attention\.wo\.weight has "
+                       r"shape \[16, 15\], the model declares \[16, 16\]"):
+        load_model(ckpt)
+
+
+def test_misshapen_piece_of_fused_tensor(tmp_path):
+    t = _hf_tensors()
+    t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 12)
+    ckpt = _open(_write_hf(tmp_path / "k", t))
+    with pytest.raises(CheckpointError, match=r"cannot make layers\.0\.attention\.wqkv\.weight "
+                       r"from .*k_proj\.weight \[8, 12\]"):
+        load_model(ckpt)
+
+
+def test_truncated_safetensors(tmp_path):
+    d = _write_hf(tmp_path / "t")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors "
+                       r"file \(truncated or corrupt\?\)"):
+        _open(d)
+
+
+def test_shard_missing_from_index(tmp_path):
+    d = _write_hf(tmp_path / "i")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00002\.safetensors: missing "
+                       r"\(listed in model\.safetensors\.index\.json\)"):
+        _open(d)
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_missing_file(tmp_path, name):
+    d = _write_hf(tmp_path / "f")
+    (d / name).unlink()
+    with pytest.raises(CheckpointError, match=rf"{name}: missing"):
+        _open(d)
+
+
+def test_no_weights(tmp_path):
+    d = _write_hf(tmp_path / "w")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors weight files"):
+        _open(d)
+
+
+def test_bad_config(tmp_path):
+    d = _write_hf(tmp_path / "c", config={**HF_CONFIG, "model_type": "gpt2"})
+    with pytest.raises(CheckpointError, match=r"config\.json: .*model_type 'gpt2' is not "
+                       r"supported"):
+        _open(d)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(CheckpointError, match=r"nope: no such file or directory"):
+        _open(tmp_path / "nope")
+
+
+def test_missing_package_file():
+    with pytest.raises(CheckpointError, match=r"package 'no_such_pkg_kiln' is not installed"):
+        resolve_source("pkg://no_such_pkg_kiln/x.gguf")
+    with pytest.raises(CheckpointError, match=r"no file 'missing\.gguf' in package 'builder'"):
+        resolve_source("pkg://builder/missing.gguf")
+    with pytest.raises(CheckpointError, match=r"unsupported scheme"):
+        resolve_source("hf://org/model")
+
+
+def test_not_a_checkpoint(tmp_path):
+    f = tmp_path / "weights.bin"
+    f.write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError, match=r"weights\.bin: not a checkpoint"):
+        _open(f)
+
+
+def _tiny_gguf(path):
+    import gguf
+    w = gguf.GGUFWriter(str(path), "llama")
+    for k, v in dict(block_count=1, embedding_length=16, feed_forward_length=32,
+                     head_count=2, head_count_kv=1).items():
+        getattr(w, f"add_{k}")(v)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(["a", "b", "c", "d"])
+    w.add_token_merges(["a b"])
+    for name, shape in (("token_embd.weight", (4, 16)), ("output_norm.weight", (16,))):
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gguf_bad_magic(tmp_path):
+    f = tmp_path / "bad.gguf"
+    f.write_bytes(b"GGML" + b"\0" * 100)
+    with pytest.raises(CheckpointError, match=r"bad\.gguf: not a GGUF file \(magic b'GGML'"):
+        _open(f)
+
+
+def test_gguf_truncated(tmp_path):
+    f = _tiny_gguf(tmp_path / "t.gguf")
+    f.write_bytes(f.read_bytes()[:-40])
+    with pytest.raises(CheckpointError, match=r"t\.gguf: corrupt or truncated GGUF"):
+        _open(f)
+
+
+def test_gguf_missing_tensors(tmp_path):
+    f = _tiny_gguf(tmp_path / "m.gguf")
+    with pytest.raises(CheckpointError, match=r"m\.gguf: missing tensors: blk\.0\.attn_norm"
+                       r"\.weight \(for layers\.0\.attention_norm\.weight\)"):
+        _open(f)
+
+
+def test_revision_mismatch(tmp_path):
+    d = _write_hf(tmp_path / "r")
+    with pytest.raises(CheckpointError, match=r"differs from model\.revision 00ff"):
+        open_checkpoint(ModelSection(source=str(d), revision="00ff"))
+
+
+def test_load_model_rejects_bad_streams():
+    cfg = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=2, head_dim=4)
+    shapes = param_shapes(cfg)
+
+    def ckpt(items):
+        return Checkpoint(cfg, "{}", {}, "0", "test", _stream=lambda dtype: iter(items))
+
+    full = [(n, torch.zeros(s)) for n, s in shapes.items()]
+    assert load_model(ckpt(full)).norm.weight.shape == (8,)
+    with pytest.raises(CheckpointError, match=r"tensor norm\.weight given twice"):
+        load_model(ckpt(full + [("norm.weight", torch.zeros(8))]))
+    with pytest.raises(CheckpointError, match=r"tensor output\.weight is not a parameter"):
+        load_model(ckpt(full + [("output.weight", torch.zeros(8, 8))]))
+    with pytest.raises(CheckpointError, match=r"test: missing tensors: norm\.weight$"):
+        load_model(ckpt([x for x in full if x[0] != "norm.weight"]))

@@ -97,6 +97,7 @@ MIXED = [(0, 37), (100, 50), (500, 1), (2047, 1), (0, 1), (13, 3), (300, 64), (5
     (8, 1, 48, 64),     # odd head dim, single kv head
     (12, 4, 128, 16),
     (16, 2, 48, 8),
+    (6, 2, 36, 16),     # head dim not a multiple of the vector width: scalar tails
 ])
 def test_mixed_prefill_and_decode(H, KVH, D, bs):
     check(make_batch(MIXED, H, KVH, D, bs, seed=H * 1000 + D + bs))

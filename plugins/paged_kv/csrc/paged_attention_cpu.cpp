@@ -106,6 +106,36 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return r;
 }
 
+// out[0:4] = a . b0..b3: four keys against one query row, one horizontal reduction.
+inline void dot4(const float* a, const float* b0, const float* b1, const float* b2,
+                 const float* b3, int64_t n, float* out) {
+  Vec s0(0.f), s1(0.f), s2(0.f), s3(0.f);
+  int64_t d = 0;
+  for (; d + kVec <= n; d += kVec) {
+    const Vec x = Vec::loadu(a + d);
+    s0 = at::vec::fmadd(x, Vec::loadu(b0 + d), s0);
+    s1 = at::vec::fmadd(x, Vec::loadu(b1 + d), s1);
+    s2 = at::vec::fmadd(x, Vec::loadu(b2 + d), s2);
+    s3 = at::vec::fmadd(x, Vec::loadu(b3 + d), s3);
+  }
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  auto add = [](Vec& x, Vec& y) { return x + y; };
+  out[0] = at::vec::vec_reduce_all<float>(add, s0);
+  out[1] = at::vec::vec_reduce_all<float>(add, s1);
+  out[2] = at::vec::vec_reduce_all<float>(add, s2);
+  out[3] = at::vec::vec_reduce_all<float>(add, s3);
+#endif
+  for (; d < n; ++d) {
+    out[0] += a[d] * b0[d];
+    out[1] += a[d] * b1[d];
+    out[2] += a[d] * b2[d];
+    out[3] += a[d] * b3[d];
+  }
+}
+
 // o = o * corr + sum_c p[c] * v[c] over n rows of v; D in register blocks of 4 vectors.
 inline void pv_row(float* o, float corr, const float* p, int64_t n, const float* v,
                    int64_t vstride, int64_t D) {
@@ -186,6 +216,14 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
     const int64_t phys = bt(g.b, blk);
     const cache_t* kb = kc + phys * P.cache_blk + g.kh * D;
     const cache_t* vb = vc + phys * P.cache_blk + g.kh * D;
+    if ((blk + 1) * bs < hi) {  // blocks are scattered: prefetch the next one's rows
+      const int64_t nxt = bt(g.b, blk + 1) * P.cache_blk + g.kh * D;
+      for (int64_t c = 0; c < bs; ++c)
+        for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t)) {
+          __builtin_prefetch(kc + nxt + c * P.cache_tok + d);
+          __builtin_prefetch(vc + nxt + c * P.cache_tok + d);
+        }
+    }
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
     const float *krows, *vrows;
     int64_t kvstride;
@@ -216,7 +254,14 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       for (; r < R; ++r) scores_rows<1>(qf + r * D, D, kt, ldk, s + r * ldk);
     } else {
       // Few rows (decode): dot products straight from the block.
-      for (int64_t c = 0; c < ncols; ++c)
+      int64_t c = 0;
+      for (; c + 4 <= ncols; c += 4) {
+        const float* k0 = krows + c * kvstride;
+        for (int64_t r = r0; r < R; ++r)
+          dot4(qf + r * D, k0, k0 + kvstride, k0 + 2 * kvstride, k0 + 3 * kvstride, D,
+               s + r * ldk + c);
+      }
+      for (; c < ncols; ++c)
         for (int64_t r = r0; r < R; ++r) s[r * ldk + c] = dot(qf + r * D, krows + c * kvstride, D);
     }
 
@@ -227,14 +272,15 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       float mx = m[r];
       for (int64_t c = 0; c < nvalid; ++c) mx = std::max(mx, sr[c]);
       const float corr = std::exp(m[r] - mx);  // 0 on the first block seen (m = -inf)
-      float sum = 0.f;
       int64_t c = 0;
       const Vec vmx(mx);
+      Vec vsum(0.f);
       for (; c + kVec <= nvalid; c += kVec) {
-        const Vec e = (Vec::loadu(sr + c) - vmx).exp();
+        const Vec e = (Vec::loadu(sr + c) - vmx).exp_u20();
         e.store(sr + c);
-        sum += at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, e);
+        vsum = vsum + e;
       }
+      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
       for (; c < nvalid; ++c) {
         sr[c] = std::exp(sr[c] - mx);
         sum += sr[c];

@@ -134,7 +134,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
 
     from builder import compile as kcompile
     from builder.fingerprint import build_target, toolchain
-    from builder.sources import load_model
+    from builder.sources import load_model, resolve_source
     from runtime.plan import FORMAT_VERSION, MANIFEST, sha256_file
 
     DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -191,7 +191,8 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
             "config": cfg.to_dict(),
             "num_parameters": cfg.num_parameters,
             "source": ckpt.source_desc,
-            "source_path": getattr(ckpt, "source_path", None),
+            "source_path": None if spec.model.source == "random"
+            else resolve_source(spec.model.source),
             "weights_digest": ckpt.weights_digest,
         },
         "target": build_target(spec),

@@ -103,7 +103,10 @@ def _dequantize(t, path: Path) -> torch.Tensor:
     if arr.size != int(np.prod(shape)):
         raise CheckpointError(f"{path}: tensor {t.name} has {arr.size} values, its shape "
                               f"{list(shape)} needs {int(np.prod(shape))} (truncated file?)")
-    return torch.from_numpy(np.array(arr, dtype=np.float32).reshape(shape))
+    arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    if not arr.flags.writeable:          # F32/F16 views of the memory-mapped file
+        arr = arr.copy()
+    return torch.from_numpy(arr)
 
 
 def _quant_name(meta: dict, tensors) -> str:

@@ -235,3 +235,37 @@ def test_random_small_vocab_tokenizer():
     assert tok.get_vocab_size() == 64
     assert max(tok.encode("zzz ~~~ ü").ids) < 64
     load_model(ckpt)
+
+
+# --- GGUF tokenizers --------------------------------------------------------------------------
+
+def test_gguf_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    """A llama.cpp 'llama' (SentencePiece-style) vocabulary: ours equals transformers'."""
+    import gguf
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "llo", "▁he",
+              "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "é", "ca", "▁ca", "f"]
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(toks), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = gguf.GGUFReader(str(tmp_path / "sp.gguf"))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    from builder.sources.tokenizer_build import from_gguf_vocab
+    ours = Tokenizer.from_str(from_gguf_vocab(meta, "sp.gguf"))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+    for text in ["hello world", " hello  world", "café hello", "héllo\nworld 日本",
+                 "hello</s>world", "", "  "]:
+        ids = ours.encode(text).ids
+        assert ids == hf(text).input_ids, text
+        assert ids[0] == 1
+        assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids), text

@@ -110,10 +110,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40, help="interleaved rounds per shape")
     ap.add_argument("--steps", type=int, default=12, help="interleaved full decode steps")
     ap.add_argument("--group-size", type=int, default=64, choices=formats.GROUP_SIZES)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (0: torch's default); 1 is steadier on shared cores")
     ap.add_argument("--skip-shapes", action="store_true")
     ap.add_argument("--skip-step", action="store_true")
     args = ap.parse_args()
     kernels.load()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with torch.inference_mode():
         if not args.skip_shapes:

@@ -82,8 +82,9 @@ def verify(plan: Path = typer.Argument(..., help="a plan directory")):
 
 @app.command()
 def generate(
-    plan: Optional[Path] = typer.Argument(None, help="a plan directory (in-process)"),
-    prompt: str = typer.Argument(..., help="the prompt"),
+    args: List[str] = typer.Argument(..., metavar="[PLAN] PROMPT",
+                                     help="a plan directory (in-process; omit with --url) "
+                                          "and the prompt"),
     url: Optional[str] = typer.Option(None, "--url", help="HOST:PORT of a running kiln serve"),
     max_tokens: int = typer.Option(128, "--max-tokens"),
     temperature: float = typer.Option(0.0, "--temperature"),
@@ -95,6 +96,10 @@ def generate(
     """Generate text from a plan, streamed to stdout."""
     from runtime.generate import generate_stream
 
+    if len(args) > 2:
+        _fail("give at most a plan directory and one prompt (quote the prompt)", 2)
+    plan, prompt = (Path(args[0]) if len(args) == 2 else None), args[-1]
+
     try:
         for delta in generate_stream(plan, prompt, url=url, max_tokens=max_tokens,
                                      temperature=temperature, top_p=top_p, top_k=top_k,
@@ -104,6 +109,50 @@ def generate(
     except (ValueError, RuntimeError) as e:
         _fail(str(e))
     sys.stdout.write("\n")
+
+
+@app.command()
+def serve(
+    plan: Path = typer.Argument(..., help="a plan directory"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8001, "--port", help="gRPC port (KServe v2, kiln.v1, health)"),
+    metrics_port: int = typer.Option(8002, "--metrics-port", help="Prometheus /metrics port"),
+    model_name: Optional[str] = typer.Option(None, "--model-name",
+                                             help="KServe model name (default: the plan's)"),
+    max_batch_size: Optional[int] = typer.Option(None, "--max-batch-size",
+                                                 help="lower the plan's limit"),
+    max_num_tokens: Optional[int] = typer.Option(None, "--max-num-tokens",
+                                                 help="lower the plan's limit"),
+    max_queue: Optional[int] = typer.Option(None, "--max-queue",
+                                            help="lower the plan's waiting-queue bound"),
+    drain_seconds: float = typer.Option(30.0, "--drain-seconds",
+                                        help="on SIGTERM, time for in-flight requests"),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert"),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key"),
+    auth_token: Optional[str] = typer.Option(None, "--auth-token",
+                                             help="require 'authorization: Bearer TOKEN'"),
+    auth_token_file: Optional[Path] = typer.Option(None, "--auth-token-file"),
+):
+    """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
+    SIGTERM or SIGINT."""
+    from runtime.server.app import ServeConfig, ServeError, run
+
+    if auth_token and auth_token_file:
+        _fail("give --auth-token or --auth-token-file, not both", 2)
+    if auth_token_file:
+        auth_token = auth_token_file.read_text().strip()
+        if not auth_token:
+            _fail(f"{auth_token_file} is empty", 2)
+    cfg = ServeConfig(plan=plan, host=host, port=port, metrics_port=metrics_port,
+                      model_name=model_name, max_batch_size=max_batch_size,
+                      max_num_tokens=max_num_tokens, max_queue=max_queue,
+                      drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
+                      auth_token=auth_token)
+    try:
+        code = run(cfg)
+    except ServeError as e:
+        _fail(str(e), 2)
+    raise typer.Exit(code)
 
 
 def main():

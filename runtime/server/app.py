@@ -1,0 +1,217 @@
+"""`kiln serve`: wire the services onto one grpc.aio server and run its lifecycle.
+
+    start:  check limits against the manifest -> bind, start gRPC (health NOT_SERVING)
+            -> load + verify the plan, start the engine -> health SERVING
+    SIGTERM/SIGINT: health NOT_SERVING, new requests UNAVAILABLE -> in-flight requests
+            finish within drain_seconds -> the rest are cancelled -> stop -> exit 0
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from tritonclient.grpc import service_pb2 as kserve_pb2
+from tritonclient.grpc import service_pb2_grpc as kserve_pb2_grpc
+
+from runtime.engine import Engine, EngineConfig
+from runtime.plan import Plan, load_plan, read_manifest
+from runtime.server.frontend import Frontend
+from runtime.server.kserve import KServeService
+from runtime.server.native import NativeService
+from runtime.server.proto import kiln_pb2, kiln_pb2_grpc
+
+log = logging.getLogger("kiln.server")
+
+KSERVE = kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+NATIVE = kiln_pb2.DESCRIPTOR.services_by_name["Kiln"].full_name
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)   # callable without the bearer token
+MAX_MESSAGE = 64 * 2**20
+
+
+class ServeError(RuntimeError):
+    """A setting or plan the server cannot start with; the message is for a person."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    plan: Path
+    host: str = "127.0.0.1"
+    port: int = 8001
+    metrics_port: Optional[int] = 8002       # None: no metrics endpoint
+    model_name: Optional[str] = None         # default: the plan's name
+    max_batch_size: Optional[int] = None     # limits: lowered only
+    max_num_tokens: Optional[int] = None
+    max_queue: Optional[int] = None
+    drain_seconds: float = 30.0
+    tls_cert: Optional[Path] = None
+    tls_key: Optional[Path] = None
+    auth_token: Optional[str] = None
+
+    def overrides(self) -> dict:
+        return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
+                if getattr(self, k) is not None}
+
+
+def check_config(cfg: ServeConfig) -> tuple[dict, str]:
+    """Validate settings against the manifest before anything binds -> (manifest, model
+    name). Raises ServeError."""
+    from runtime.plan import PlanError
+    try:
+        manifest = read_manifest(cfg.plan)
+    except PlanError as e:
+        raise ServeError(str(e))
+    overrides = cfg.overrides()
+    planned_queue = (manifest.get("scheduler") or {}).get("max_queue")
+    if cfg.max_queue is not None and planned_queue is not None and cfg.max_queue > planned_queue:
+        raise ServeError(f"--max-queue {cfg.max_queue} exceeds the plan's scheduler.max_queue "
+                         f"({planned_queue}): limits may be lowered at start, never raised")
+    for k, v in overrides.items():
+        if v < 1:
+            raise ServeError(f"--{k.replace('_', '-')} must be >= 1 (got {v})")
+    try:
+        EngineConfig.from_plan(Plan(Path(cfg.plan), manifest), **overrides)
+    except ValueError as e:
+        raise ServeError(str(e))
+    if (cfg.tls_cert is None) != (cfg.tls_key is None):
+        raise ServeError("TLS needs both --tls-cert and --tls-key")
+    return manifest, cfg.model_name or manifest["name"]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Bearer-token check (metadata `authorization: Bearer TOKEN`); health stays open."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_PREFIXES):
+            return handler
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+            return handler
+        return _refusing(handler)
+
+
+def _refusing(handler):
+    """A handler of the same kind as `handler` that answers UNAUTHENTICATED."""
+    msg = "missing or wrong bearer token (metadata 'authorization: Bearer <token>')"
+
+    async def unary(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+
+    async def streaming(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, msg)
+        yield  # pragma: no cover  (makes this an async generator)
+
+    kw = dict(request_deserializer=handler.request_deserializer,
+              response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming, **kw)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary, **kw)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming, **kw)
+    return grpc.unary_unary_rpc_method_handler(unary, **kw)
+
+
+async def serve(cfg: ServeConfig) -> int:
+    """Run the server until SIGTERM/SIGINT and a drain; the process's exit code."""
+    _, model_name = check_config(cfg)
+    fe = Frontend(model_name)
+    interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ("grpc.max_send_message_length", MAX_MESSAGE)])
+    kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(fe), server)
+    kiln_pb2_grpc.add_KilnServicer_to_server(NativeService(fe), server)
+    health_svc = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
+    reflection.enable_server_reflection(
+        (KSERVE, NATIVE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    NOT, OK = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+    for svc in ("", KSERVE, NATIVE):
+        await health_svc.set(svc, NOT)
+
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls_cert:
+        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
+                                              Path(cfg.tls_cert).read_bytes())])
+        bound = server.add_secure_port(address, creds)
+    else:
+        bound = server.add_insecure_port(address)
+    if not bound:
+        raise ServeError(f"cannot listen on {address} (in use?)")
+    await server.start()
+    if cfg.metrics_port is not None:
+        fe.metrics.serve(cfg.host, cfg.metrics_port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    t0 = time.monotonic()
+    log.info("loading plan %s", cfg.plan)
+    load = loop.run_in_executor(None, _load, cfg)
+    await asyncio.wait([load, asyncio.ensure_future(stop.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():     # stopped while loading
+        await server.stop(0)
+        try:
+            (await load)[0].shutdown()
+        except Exception:
+            pass
+        return 0
+    try:
+        engine, plan = load.result()
+    except Exception as e:
+        await server.stop(0)
+        raise ServeError(f"cannot load the plan: {e}") from e
+    fe.set_ready(engine, plan)
+    for svc in ("", KSERVE, NATIVE):
+        await health_svc.set(svc, OK)
+    log.info("serving %r on %s (%s, KServe v2 + kiln.v1), metrics on %s; loaded in %.1fs",
+             model_name, address, "TLS" if cfg.tls_cert else "plaintext",
+             f"{cfg.host}:{cfg.metrics_port}" if cfg.metrics_port is not None else "off",
+             time.monotonic() - t0)
+
+    await stop.wait()
+    await drain(fe, server, health_svc, cfg.drain_seconds)
+    engine.shutdown()
+    log.info("stopped")
+    return 0
+
+
+def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
+    plan = load_plan(cfg.plan)
+    return Engine.from_plan(plan, **cfg.overrides()), plan
+
+
+async def drain(fe: Frontend, server, health_svc, seconds: float) -> None:
+    """Refuse new work, let what was accepted finish, cancel what is left, stop."""
+    fe.start_draining()
+    for svc in ("", KSERVE, NATIVE):
+        await health_svc.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+    n = len(fe.in_flight)
+    log.info("draining: %d requests in flight, up to %.1fs", n, seconds)
+    if not await fe.wait_idle(seconds):
+        log.warning("drain time is up: cancelling %d requests", fe.cancel_all())
+        await fe.wait_idle(5.0)   # their final (cancelled) responses go out
+    await server.stop(grace=1.0)
+
+
+def run(cfg: ServeConfig) -> int:
+    """Blocking entry point for the CLI."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s "
+                        "%(message)s")
+    return asyncio.run(serve(cfg))

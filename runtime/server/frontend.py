@@ -1,0 +1,113 @@
+"""The one door from the gRPC services to the engine.
+
+Every service submits through `Frontend.request()`, an async context manager, so each
+request is counted the same way (metrics), can be found by the drain (in_flight), and is
+cancelled in the engine whenever its caller goes away: a client that cancels, a deadline
+that passes or a stream that closes all unwind the handler task through the context
+manager's exit, which calls stream.cancel(); the engine frees the request's KV blocks
+before its next step.
+
+    service handler --request()--> Frontend --submit()--> Engine
+          ^                           |  in_flight {id: RequestStream}
+          +------ RequestOutput ------+  metrics.observe(last output)
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import time
+from typing import AsyncIterator, Optional
+
+from runtime.engine import Engine, Prompt, RequestOutput, RequestStream
+from runtime.plan import Plan
+from runtime.sampling import SamplingParams
+from runtime.server.errors import ServiceError, classify, unavailable
+from runtime.server.metrics import Metrics
+
+
+class State(enum.Enum):
+    LOADING = "loading"      # the server is up, the plan is not loaded yet
+    READY = "ready"
+    DRAINING = "draining"    # SIGTERM: finishing what was accepted, refusing the rest
+
+
+class Frontend:
+    """The served model: its name, plan, engine and lifecycle state."""
+
+    def __init__(self, model_name: str, metrics: Optional[Metrics] = None):
+        self.model_name = model_name
+        self.engine: Optional[Engine] = None
+        self.plan: Optional[Plan] = None
+        self.state = State.LOADING
+        self.metrics = metrics or Metrics(lambda: self.engine)
+        self.in_flight: dict[str, RequestStream] = {}
+        self.started = time.time()
+        self.last_request_ms = 0
+        self._ids = itertools.count()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def set_ready(self, engine: Engine, plan: Plan) -> None:
+        self.engine, self.plan, self.state = engine, plan, State.READY
+        self.metrics.ready.set(1)
+
+    def start_draining(self) -> None:
+        self.state = State.DRAINING
+        self.metrics.ready.set(0)
+
+    @property
+    def ready(self) -> bool:
+        return self.state is State.READY
+
+    def check_ready(self) -> None:
+        if self.state is State.LOADING:
+            raise unavailable("the model is still loading; retry when health reports SERVING")
+        if self.state is State.DRAINING:
+            raise unavailable("the server is shutting down and accepts no new requests")
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight (True) or timeout seconds pass (False)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.in_flight
+
+    def cancel_all(self) -> int:
+        """Cancel every request in flight (each ends with finish_reason 'cancelled')."""
+        streams = list(self.in_flight.values())
+        for s in streams:
+            s.cancel()
+        return len(streams)
+
+    # ---- requests ----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def request(self, prompt: Prompt, params: SamplingParams
+                      ) -> AsyncIterator[tuple[RequestStream, AsyncIterator[RequestOutput]]]:
+        """Submit a request -> (its stream, its outputs). Raises ServiceError when refused.
+        Must be entered from a coroutine on the server's event loop."""
+        try:
+            self.check_ready()
+            stream = self.engine.submit(prompt, params, f"kiln-{next(self._ids)}")
+        except Exception as e:
+            err = classify(e)
+            self.metrics.refused(err.outcome)
+            raise err from (None if isinstance(e, ServiceError) else e)
+        rid = stream.request_id
+        self.in_flight[rid] = stream
+        self.metrics.in_flight.inc()
+        self.last_request_ms = int(time.time() * 1000)
+        try:
+            yield stream, self._outputs(stream)
+        finally:
+            del self.in_flight[rid]
+            self.metrics.in_flight.dec()
+            if not stream.finished:     # the caller went away: free the request's blocks
+                stream.cancel()
+                self.metrics.refused("cancelled")
+
+    async def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+        async for out in stream:
+            if out.finished:
+                self.metrics.observe(out)
+            yield out

@@ -1,0 +1,97 @@
+"""Prometheus metrics (text format on --metrics-port).
+
+Request-level series are recorded by the Frontend as requests end; engine-level series
+(queue, running batch, KV blocks, prefix cache, preemptions, generated tokens) are read from
+`Engine.stats()` at scrape time, so they are never stale and cost nothing between scrapes.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from runtime.engine import Engine, RequestOutput
+
+# Latency buckets (seconds): sub-millisecond CPU decode steps up to minute-long requests.
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_PER_TOKEN = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1)
+
+
+class _EngineCollector:
+    """kiln_* gauges and counters from engine.stats(), taken when scraped."""
+
+    def __init__(self, engine: Callable[[], Optional[Engine]]):
+        self._engine = engine
+
+    def collect(self):
+        engine = self._engine()
+        if engine is None:      # the plan is still loading
+            return
+        s = engine.stats()
+        gauges = {
+            "kiln_queue_length": ("requests waiting to be scheduled", s["waiting"]),
+            "kiln_running_requests": ("requests in the running batch", s["running"]),
+            "kiln_kv_blocks_used": ("KV cache blocks in use", s["kv_blocks_used"]),
+            "kiln_kv_blocks_free": ("KV cache blocks free (incl. cached)", s["kv_blocks_free"]),
+            "kiln_kv_blocks_cached": ("free KV blocks holding a reusable prefix",
+                                      s["kv_blocks_cached"]),
+            "kiln_kv_blocks_total": ("KV cache blocks in the pool", s["kv_blocks_total"]),
+            "kiln_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / "
+                                           "prompt tokens looked up", s["prefix_cache_hit_rate"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=float(value))
+        counters = {
+            "kiln_generated_tokens": ("output tokens generated (rate() = tokens/s)",
+                                      s["tokens_generated"]),
+            "kiln_preemptions": ("sequences preempted (recomputed later) for KV room",
+                                 s["preemptions"]),
+            "kiln_prefix_cache_queried_tokens": ("prompt tokens looked up in the prefix cache",
+                                                 s["prefix_cache_queried_tokens"]),
+            "kiln_prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache",
+                                             s["prefix_cache_hit_tokens"]),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=float(value))
+
+
+class Metrics:
+    """The server's registry. `observe(out)` records a finished request."""
+
+    def __init__(self, engine: Callable[[], Optional[Engine]] = lambda: None):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kiln_requests", "requests by outcome (stop, length, cancelled, "
+                                "error, invalid, not_found, queue_full, unavailable)",
+                                ["outcome"], registry=r)
+        self.ttft = Histogram("kiln_time_to_first_token_seconds", "arrival -> first token",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram("kiln_time_per_output_token_seconds",
+                              "mean time per output token after the first, per request",
+                              buckets=_PER_TOKEN, registry=r)
+        self.e2e = Histogram("kiln_request_latency_seconds", "arrival -> finished",
+                             buckets=_LATENCY, registry=r)
+        self.queue_time = Histogram("kiln_queue_time_seconds", "arrival -> first scheduled",
+                                    buckets=_LATENCY, registry=r)
+        self.in_flight = Gauge("kiln_requests_in_flight",
+                               "requests accepted by the server and not yet ended", registry=r)
+        self.ready = Gauge("kiln_ready", "1 when the plan is loaded and the server is not "
+                           "draining", registry=r)
+        r.register(_EngineCollector(engine))
+
+    def observe(self, out: RequestOutput) -> None:
+        """A request ended with `out` (its last output)."""
+        self.requests.labels(out.finish_reason or "error").inc()
+        t = out.timings
+        for hist, value in ((self.ttft, t.ttft), (self.tpot, t.tpot), (self.e2e, t.e2e),
+                            (self.queue_time, t.queue_time)):
+            if value is not None:
+                hist.observe(value)
+
+    def refused(self, outcome: str) -> None:
+        self.requests.labels(outcome).inc()
+
+    def serve(self, host: str, port: int):
+        """Start the HTTP exposition server (a daemon thread) -> (server, thread)."""
+        return start_http_server(port, addr=host, registry=self.registry)

@@ -46,3 +46,14 @@ def tiny_plan(tiny_spec_path) -> Path:
     from builder.progress import Progress
 
     return build(tiny_spec_path, TEST_PLANS / "tiny-random", progress=Progress(enabled=False)).path
+
+
+@pytest.fixture(scope="session")
+def smollm2_plan(smollm2_gguf) -> Path:
+    """The default SmolLM2 CPU plan, at plans/smollm2-135m-cpu where `kiln build` puts it (so
+    the README's main job and the tests share one build). Read-only."""
+    from builder.build import build
+    from builder.progress import Progress
+
+    return build(ROOT / "model_specs" / "smollm2-135m-cpu.yaml",
+                 ROOT / "plans" / "smollm2-135m-cpu", progress=Progress(enabled=False)).path

@@ -184,6 +184,12 @@ struct Item {
   int64_t part;
 };
 
+struct Work {
+  std::vector<Group> groups;
+  std::vector<Item> items;  // (group, partition), what parallel_for hands out
+  int64_t ws_size = 0;      // floats of partial results (groups split into partitions)
+};
+
 struct Problem {
   int64_t T, H, KVH, G, D, bs, ldk, max_rows, part_len;
   int64_t q_s0, q_s1;
@@ -191,118 +197,142 @@ struct Problem {
   float scale;
 };
 
+// Per-thread scratch of a work item (floats): Q tile, O tile, running max and sum, scores,
+// K^T, and the current block's K and V rows converted from bf16.
+struct Scratch {
+  std::vector<float> buf;
+  float *qf, *of, *m, *l, *s, *kt, *kf, *vf;
+  explicit Scratch(const Problem& P) {
+    const int64_t R = P.max_rows, D = P.D;
+    buf.resize(2 * R * D + 2 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D);
+    qf = buf.data();
+    of = qf + R * D;
+    m = of + R * D;
+    l = m + R;
+    s = l + R;
+    kt = s + R * P.ldk;
+    kf = kt + D * P.ldk;
+    vf = kf + P.bs * D;
+  }
+};
+
+// s[r][0:ncols] = Q[r] . K[c] for rows r0..R of a tile (K as float rows, stride kvstride).
+inline void block_scores(const Problem& P, int64_t r0, int64_t R, int64_t ncols,
+                         const float* krows, int64_t kvstride, Scratch& w) {
+  const int64_t D = P.D, ldk = P.ldk;
+  if (R - r0 >= kTransposeRows) {
+    // Many rows: transpose K once to [D][ldk] (zero past ncols), vectorize over keys.
+    for (int64_t c = 0; c < ncols; ++c)
+      for (int64_t d = 0; d < D; ++d) w.kt[d * ldk + c] = krows[c * kvstride + d];
+    for (int64_t c = ncols; c < ldk; ++c)
+      for (int64_t d = 0; d < D; ++d) w.kt[d * ldk + c] = 0.f;
+    int64_t r = r0;
+    for (; r + 4 <= R; r += 4) scores_rows<4>(w.qf + r * D, D, w.kt, ldk, w.s + r * ldk);
+    for (; r < R; ++r) scores_rows<1>(w.qf + r * D, D, w.kt, ldk, w.s + r * ldk);
+    return;
+  }
+  // Few rows (decode): dot products straight from the block, four keys at a time.
+  int64_t c = 0;
+  for (; c + 4 <= ncols; c += 4) {
+    const float* k0 = krows + c * kvstride;
+    for (int64_t r = r0; r < R; ++r)
+      dot4(w.qf + r * D, k0, k0 + kvstride, k0 + 2 * kvstride, k0 + 3 * kvstride, D,
+           w.s + r * ldk + c);
+  }
+  for (; c < ncols; ++c)
+    for (int64_t r = r0; r < R; ++r)
+      w.s[r * ldk + c] = dot(w.qf + r * D, krows + c * kvstride, D);
+}
+
+// Online softmax step of one row over n scores sr (overwritten with exp(s - max)):
+// rescale (o, l) to the new running max m, then o += p . V.
+inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const float* vrows,
+                       int64_t vstride, int64_t D) {
+  float mx = m;
+  for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
+  const float corr = std::exp(m - mx);  // 0 on the first block this row sees (m = -inf)
+  const Vec vmx(mx);
+  Vec vsum(0.f);
+  int64_t c = 0;
+  for (; c + kVec <= n; c += kVec) {
+    const Vec e = (Vec::loadu(sr + c) - vmx).exp_u20();
+    e.store(sr + c);
+    vsum = vsum + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  for (; c < n; ++c) {
+    sr[c] = std::exp(sr[c] - mx);
+    sum += sr[c];
+  }
+  m = mx;
+  l = l * corr + sum;
+  pv_row(o, corr, sr, n, vrows, vstride, D);
+}
+
+template <typename cache_t>
+inline void prefetch_rows(const cache_t* p, int64_t rows, int64_t stride, int64_t D) {
+  for (int64_t c = 0; c < rows; ++c)
+    for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t)) __builtin_prefetch(p + c * stride + d);
+}
+
 template <typename scalar_t, typename cache_t>
 void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t* q,
                  const cache_t* kc, const cache_t* vc, const Index& bt, scalar_t* out,
-                 float* ws, float* qf, float* of, float* m, float* l, float* s, float* kt,
-                 float* kf, float* vf) {
-  const int64_t D = P.D, G = P.G, bs = P.bs, ldk = P.ldk;
-  const int64_t R = g.nq * G;
-  const int64_t kv_end = g.pos0 + g.nq;  // keys the tile's last token sees
+                 float* ws, Scratch& w) {
+  const int64_t D = P.D, G = P.G, bs = P.bs, R = g.nq * G;
   const int64_t lo = part * P.part_len;
-  const int64_t hi = std::min(kv_end, lo + P.part_len);
+  const int64_t hi = std::min(g.pos0 + g.nq, lo + P.part_len);  // keys [lo, hi)
 
   for (int64_t j = 0; j < g.nq; ++j)
     for (int64_t gg = 0; gg < G; ++gg)
-      to_float(q + (g.t0 + j) * P.q_s0 + (g.kh * G + gg) * P.q_s1, qf + (j * G + gg) * D, D,
+      to_float(q + (g.t0 + j) * P.q_s0 + (g.kh * G + gg) * P.q_s1, w.qf + (j * G + gg) * D, D,
                P.scale);
-  std::fill(of, of + R * D, 0.f);
-  std::fill(m, m + R, kNegInf);
-  std::fill(l, l + R, 0.f);
+  std::fill(w.of, w.of + R * D, 0.f);
+  std::fill(w.m, w.m + R, kNegInf);
+  std::fill(w.l, w.l + R, 0.f);
 
   for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
-    const int64_t start = blk * bs;
-    const int64_t ncols = std::min(bs, hi - start);
-    const int64_t phys = bt(g.b, blk);
-    const cache_t* kb = kc + phys * P.cache_blk + g.kh * D;
-    const cache_t* vb = vc + phys * P.cache_blk + g.kh * D;
+    const int64_t start = blk * bs, ncols = std::min(bs, hi - start);
+    const cache_t* kb = kc + bt(g.b, blk) * P.cache_blk + g.kh * D;
+    const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * D;
     if ((blk + 1) * bs < hi) {  // blocks are scattered: prefetch the next one's rows
       const int64_t nxt = bt(g.b, blk + 1) * P.cache_blk + g.kh * D;
-      for (int64_t c = 0; c < bs; ++c)
-        for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t)) {
-          __builtin_prefetch(kc + nxt + c * P.cache_tok + d);
-          __builtin_prefetch(vc + nxt + c * P.cache_tok + d);
-        }
+      prefetch_rows(kc + nxt, bs, P.cache_tok, D);
+      prefetch_rows(vc + nxt, bs, P.cache_tok, D);
     }
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
-    const float *krows, *vrows;
-    int64_t kvstride;
+    const float *krows = w.kf, *vrows = w.vf;
+    int64_t kvstride = D;
     if constexpr (std::is_same_v<cache_t, float>) {
       krows = kb;
       vrows = vb;
       kvstride = P.cache_tok;
     } else {
       for (int64_t c = 0; c < ncols; ++c) {
-        to_float(kb + c * P.cache_tok, kf + c * D, D);
-        to_float(vb + c * P.cache_tok, vf + c * D, D);
+        to_float(kb + c * P.cache_tok, w.kf + c * D, D);
+        to_float(vb + c * P.cache_tok, w.vf + c * D, D);
       }
-      krows = kf;
-      vrows = vf;
-      kvstride = D;
     }
-    // First row (in tile order) that sees any key of this block: rows of token j see
-    // positions <= pos0 + j.
+    // Rows of token j see positions <= pos0 + j: the first rows may see none of this block.
     const int64_t r0 = std::max<int64_t>(0, start - g.pos0) * G;
-    if (R - r0 >= kTransposeRows) {
-      // Many rows: transpose K once to [D][ldk] (zero past ncols), vectorize over keys.
-      for (int64_t c = 0; c < ncols; ++c)
-        for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = krows[c * kvstride + d];
-      for (int64_t c = ncols; c < ldk; ++c)
-        for (int64_t d = 0; d < D; ++d) kt[d * ldk + c] = 0.f;
-      int64_t r = r0;
-      for (; r + 4 <= R; r += 4) scores_rows<4>(qf + r * D, D, kt, ldk, s + r * ldk);
-      for (; r < R; ++r) scores_rows<1>(qf + r * D, D, kt, ldk, s + r * ldk);
-    } else {
-      // Few rows (decode): dot products straight from the block.
-      int64_t c = 0;
-      for (; c + 4 <= ncols; c += 4) {
-        const float* k0 = krows + c * kvstride;
-        for (int64_t r = r0; r < R; ++r)
-          dot4(qf + r * D, k0, k0 + kvstride, k0 + 2 * kvstride, k0 + 3 * kvstride, D,
-               s + r * ldk + c);
-      }
-      for (; c < ncols; ++c)
-        for (int64_t r = r0; r < R; ++r) s[r * ldk + c] = dot(qf + r * D, krows + c * kvstride, D);
-    }
-
+    block_scores(P, r0, R, ncols, krows, kvstride, w);
     for (int64_t r = r0; r < R; ++r) {
-      const int64_t pos = g.pos0 + r / G;
-      const int64_t nvalid = std::min(ncols, pos - start + 1);
-      float* sr = s + r * ldk;
-      float mx = m[r];
-      for (int64_t c = 0; c < nvalid; ++c) mx = std::max(mx, sr[c]);
-      const float corr = std::exp(m[r] - mx);  // 0 on the first block seen (m = -inf)
-      int64_t c = 0;
-      const Vec vmx(mx);
-      Vec vsum(0.f);
-      for (; c + kVec <= nvalid; c += kVec) {
-        const Vec e = (Vec::loadu(sr + c) - vmx).exp_u20();
-        e.store(sr + c);
-        vsum = vsum + e;
-      }
-      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-      for (; c < nvalid; ++c) {
-        sr[c] = std::exp(sr[c] - mx);
-        sum += sr[c];
-      }
-      m[r] = mx;
-      l[r] = l[r] * corr + sum;
-      pv_row(of + r * D, corr, sr, nvalid, vrows, kvstride, D);
+      const int64_t nvalid = std::min(ncols, g.pos0 + r / G - start + 1);
+      softmax_pv(w.s + r * P.ldk, nvalid, w.m[r], w.l[r], w.of + r * D, vrows, kvstride, D);
     }
   }
 
   if (g.nparts == 1) {
     for (int64_t r = 0; r < R; ++r) {
-      const float inv = 1.f / l[r];
+      const float inv = 1.f / w.l[r];
       scalar_t* dst = out + ((g.t0 + r / G) * P.H + g.kh * G + r % G) * D;
-      const float* src = of + r * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(src[d] * inv);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(w.of[r * D + d] * inv);
     }
   } else {  // partial: [O (R*D) | m (R) | l (R)] per partition
-    float* w = ws + g.ws_off + part * R * (D + 2);
-    std::copy(of, of + R * D, w);
-    std::copy(m, m + R, w + R * D);
-    std::copy(l, l + R, w + R * D + R);
+    float* dst = ws + g.ws_off + part * R * (D + 2);
+    std::copy(w.of, w.of + R * D, dst);
+    std::copy(w.m, w.m + R, dst + R * D);
+    std::copy(w.l, w.l + R, dst + R * D + R);
   }
 }
 
@@ -354,8 +384,10 @@ void write_kv(const Problem& P, const at::Tensor& k, const at::Tensor& v, at::Te
 template <typename scalar_t, typename cache_t>
 void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          at::Tensor& k_cache, at::Tensor& v_cache, const Index& slots, const Index& bt,
-         const std::vector<Group>& groups, const std::vector<Item>& items, int64_t ws_size,
-         at::Tensor& out) {
+         const Work& work, at::Tensor& out) {
+  const std::vector<Group>& groups = work.groups;
+  const std::vector<Item>& items = work.items;
+  const int64_t ws_size = work.ws_size;
   write_kv<scalar_t, cache_t>(P, k, v, k_cache, v_cache, slots);
 
   at::Tensor ws_t = at::empty({std::max<int64_t>(ws_size, 1)}, q.options().dtype(at::kFloat));
@@ -364,24 +396,13 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
   const cache_t* kc = k_cache.data_ptr<cache_t>();
   const cache_t* vc = v_cache.data_ptr<cache_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  const int64_t R = P.max_rows, D = P.D;
+  const int64_t D = P.D;
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    // Scratch for this thread's chunk of items: Q tile, O tile, m, l, scores, K^T, V.
-    std::vector<float> buf(2 * R * D + 2 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D);
-    float* qf = buf.data();
-    float* of = qf + R * D;
-    float* m = of + R * D;
-    float* l = m + R;
-    float* s = l + R;
-    float* kt = s + R * P.ldk;
-    float* kf = kt + D * P.ldk;
-    float* vf = kf + P.bs * D;
-    for (int64_t i = begin; i < end; ++i) {
-      const Item& it = items[i];
-      attend_item<scalar_t, cache_t>(P, groups[it.group], it.part, qp, kc, vc, bt, op, ws, qf,
-                                     of, m, l, s, kt, kf, vf);
-    }
+    Scratch w(P);  // one per thread's chunk of items
+    for (int64_t i = begin; i < end; ++i)
+      attend_item<scalar_t, cache_t>(P, groups[items[i].group], items[i].part, qp, kc, vc, bt,
+                                     op, ws, w);
   });
 
   if (ws_size > 0) {
@@ -402,12 +423,79 @@ void check_index(const at::Tensor& t, const char* name, int64_t dim) {
               " dims, got shape ", t.sizes());
 }
 
+// Metadata values: host loops over B and T, no allocation.
+void check_metadata(const Index& qsl, const Index& cl, const Index& bt, const Index& slots,
+                    int64_t B, int64_t T, int64_t MB, int64_t NB, int64_t bs) {
+  TORCH_CHECK(qsl(0) == 0 && qsl(B) == T, "paged_attention: query_start_loc must run from 0 to T=",
+              T, ", got ", qsl(0), "..", qsl(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t nq = qsl(b + 1) - qsl(b), ctx = cl(b);
+    TORCH_CHECK(nq >= 0, "paged_attention: query_start_loc must be non-decreasing (sequence ", b,
+                ")");
+    TORCH_CHECK(ctx >= nq, "paged_attention: context_lens[", b, "]=", ctx,
+                " is less than the sequence's ", nq, " tokens this step");
+    TORCH_CHECK(ctx <= MB * bs, "paged_attention: context_lens[", b, "]=", ctx,
+                " exceeds block_tables capacity ", MB, " blocks x ", bs);
+    if (nq == 0) continue;
+    for (int64_t i = 0; i < ceil_div(ctx, bs); ++i) {
+      const int64_t id = bt(b, i);
+      TORCH_CHECK(id >= 0 && id < NB, "paged_attention: block_tables[", b, ", ", i, "]=", id,
+                  " is outside the pool of ", NB, " blocks");
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t sl = slots(t);
+    TORCH_CHECK(sl >= 0 && sl < NB * bs, "paged_attention: slot_mapping[", t, "]=", sl,
+                " is outside the pool of ", NB * bs, " slots");
+  }
+}
+
+// Query tiles and context partitions of every (sequence, kv head); sets P's tiling fields.
+Work plan_work(Problem& P, const Index& qsl, const Index& cl, int64_t B) {
+  const int64_t KVH = P.KVH, D = P.D, bs = P.bs;
+  const int64_t tq = std::max<int64_t>(1, 32 / P.G);  // query tokens per tile
+  P.max_rows = tq * P.G;
+  int64_t base_groups = 0, max_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    base_groups += ceil_div(qsl(b + 1) - qsl(b), tq) * KVH;
+    max_ctx = std::max(max_ctx, cl(b));
+  }
+  // Too few items to keep every thread busy: split contexts into whole-block partitions.
+  const int64_t threads = at::get_num_threads();
+  P.part_len = std::numeric_limits<int64_t>::max() / 2;
+  if (base_groups > 0 && base_groups < 4 * threads) {
+    const int64_t want = ceil_div(8 * threads, base_groups);  // partitions per group
+    const int64_t len = std::max<int64_t>(ceil_div(max_ctx, want), 128);
+    P.part_len = ceil_div(len, bs) * bs;
+  }
+  Work w;
+  w.groups.reserve(base_groups);
+  w.items.reserve(base_groups);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t q0 = qsl(b), nq_all = qsl(b + 1) - q0, first = cl(b) - nq_all;
+    for (int64_t j = 0; j < nq_all; j += tq) {
+      const int64_t nq = std::min(tq, nq_all - j);
+      const int64_t nparts = ceil_div(first + j + nq, P.part_len);
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        Group g{b, q0 + j, nq, first + j, kh, nparts, 0};
+        if (nparts > 1) {
+          g.ws_off = w.ws_size;
+          w.ws_size += nparts * nq * P.G * (D + 2);
+        }
+        for (int64_t p = 0; p < nparts; ++p)
+          w.items.push_back({static_cast<int64_t>(w.groups.size()), p});
+        w.groups.push_back(g);
+      }
+    }
+  }
+  return w;
+}
+
 at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const at::Tensor& query_start_loc,
                                double scale) {
-  // ---- shapes, dtypes, layout
   TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D], got shape ", q_in.sizes());
   TORCH_CHECK(k_in.dim() == 3 && v_in.dim() == 3,
               "paged_attention: k and v must be [T, KVH, D], got ", k_in.sizes(), " and ",
@@ -459,88 +547,29 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   const at::Tensor k = k_in.stride(2) == 1 ? k_in : k_in.contiguous();
   const at::Tensor v = v_in.stride(2) == 1 ? v_in : v_in.contiguous();
 
-  // ---- metadata values (host loops over B and T; no allocation)
   const Index qsl(query_start_loc), cl(context_lens), bt(block_tables), slots(slot_mapping);
-  TORCH_CHECK(qsl(0) == 0 && qsl(B) == T, "paged_attention: query_start_loc must run from 0 to T=",
-              T, ", got ", qsl(0), "..", qsl(B));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t nq = qsl(b + 1) - qsl(b), ctx = cl(b);
-    TORCH_CHECK(nq >= 0, "paged_attention: query_start_loc must be non-decreasing (sequence ", b,
-                ")");
-    TORCH_CHECK(ctx >= nq, "paged_attention: context_lens[", b, "]=", ctx,
-                " is less than the sequence's ", nq, " tokens this step");
-    TORCH_CHECK(ctx <= MB * bs, "paged_attention: context_lens[", b, "]=", ctx,
-                " exceeds block_tables capacity ", MB, " blocks x ", bs);
-    if (nq == 0) continue;
-    for (int64_t i = 0; i < ceil_div(ctx, bs); ++i) {
-      const int64_t id = bt(b, i);
-      TORCH_CHECK(id >= 0 && id < NB, "paged_attention: block_tables[", b, ", ", i, "]=", id,
-                  " is outside the pool of ", NB, " blocks");
-    }
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t sl = slots(t);
-    TORCH_CHECK(sl >= 0 && sl < NB * bs, "paged_attention: slot_mapping[", t, "]=", sl,
-                " is outside the pool of ", NB * bs, " slots");
-  }
+  check_metadata(qsl, cl, bt, slots, B, T, MB, NB, bs);
 
-  // ---- work items
   Problem P;
   P.T = T; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = bs;
   P.ldk = ceil_div(bs, kVec) * kVec;
   P.q_s0 = q.stride(0); P.q_s1 = q.stride(1);
   P.cache_tok = KVH * D; P.cache_blk = bs * KVH * D;
   P.scale = static_cast<float>(scale);
-  const int64_t tq = std::max<int64_t>(1, 32 / P.G);  // query tokens per tile
-  P.max_rows = tq * P.G;
-  int64_t base_groups = 0, max_ctx = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    base_groups += ceil_div(qsl(b + 1) - qsl(b), tq) * KVH;
-    max_ctx = std::max(max_ctx, cl(b));
-  }
-  // Too few items to keep every thread busy: split contexts into whole-block partitions.
-  const int64_t threads = at::get_num_threads();
-  P.part_len = std::numeric_limits<int64_t>::max() / 2;
-  if (base_groups > 0 && base_groups < 4 * threads) {
-    const int64_t want = ceil_div(8 * threads, base_groups);  // partitions per group
-    const int64_t len = std::max<int64_t>(ceil_div(max_ctx, want), 128);
-    P.part_len = ceil_div(len, bs) * bs;
-  }
-  std::vector<Group> groups;
-  std::vector<Item> items;
-  groups.reserve(base_groups);
-  items.reserve(base_groups);
-  int64_t ws_size = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t q0 = qsl(b), nq_all = qsl(b + 1) - q0, first = cl(b) - nq_all;
-    for (int64_t j = 0; j < nq_all; j += tq) {
-      const int64_t nq = std::min(tq, nq_all - j);
-      const int64_t nparts = ceil_div(first + j + nq, P.part_len);
-      for (int64_t kh = 0; kh < KVH; ++kh) {
-        Group g{b, q0 + j, nq, first + j, kh, nparts, 0};
-        if (nparts > 1) {
-          g.ws_off = ws_size;
-          ws_size += nparts * nq * P.G * (D + 2);
-        }
-        for (int64_t p = 0; p < nparts; ++p)
-          items.push_back({static_cast<int64_t>(groups.size()), p});
-        groups.push_back(g);
-      }
-    }
-  }
+  const Work work = plan_work(P, qsl, cl, B);
 
   at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   const bool q_bf16 = q.scalar_type() == at::kBFloat16;
   const bool c_bf16 = k_cache.scalar_type() == at::kBFloat16;
   using bf16 = c10::BFloat16;
   if (!q_bf16 && !c_bf16)
-    run<float, float>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+    run<float, float>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
   else if (!q_bf16 && c_bf16)
-    run<float, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+    run<float, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
   else if (q_bf16 && !c_bf16)
-    run<bf16, float>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+    run<bf16, float>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
   else
-    run<bf16, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, groups, items, ws_size, out);
+    run<bf16, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
   return out;
 }
 

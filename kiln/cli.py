@@ -155,6 +155,51 @@ def serve(
     raise typer.Exit(code)
 
 
+@app.command()
+def bench(
+    plan: Optional[Path] = typer.Argument(None, help="a plan directory (with --offline)"),
+    offline: bool = typer.Option(False, "--offline", help="drive the engine in-process"),
+    url: Optional[str] = typer.Option(None, "--url", help="HOST:PORT of a running kiln serve"),
+    requests: int = typer.Option(64, "--requests", help="requests per concurrency level"),
+    output_len: int = typer.Option(128, "--output-len", help="output tokens per request"),
+    concurrency: List[int] = typer.Option([1, 8, 32], "--concurrency", "-c"),
+    naive_requests: int = typer.Option(8, "--naive-requests",
+                                       help="requests the naive HF baseline runs (it is "
+                                            "serial; its tokens/s does not depend on it)"),
+    seed: int = typer.Option(0, "--seed"),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="write results as JSON"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="PNG plot (with --url)"),
+):
+    """Benchmark a plan in-process (--offline) or a running server over gRPC (--url)."""
+    if offline == (url is not None):
+        _fail("choose one of --offline PLAN or --url HOST:PORT", 2)
+    if offline:
+        if plan is None:
+            _fail("--offline needs a plan directory", 2)
+        from runtime.bench import run_offline
+        from runtime.plan import PlanError
+
+        try:
+            run_offline(plan, requests=requests, output_len=output_len,
+                        concurrencies=tuple(concurrency), seed=seed,
+                        json_path=str(json_path) if json_path else None,
+                        naive_requests=max(1, naive_requests))
+        except (PlanError, ValueError) as e:
+            _fail(str(e))
+        return
+    from runtime.server.loadgen import run_loadgen
+
+    run_loadgen(url, requests=requests, output_len=output_len,
+                concurrencies=tuple(concurrency), seed=seed,
+                json_path=str(json_path) if json_path else None,
+                plot_path=str(plot) if plot else None)
+
+
+from kiln.ci import app as ci_app  # noqa: E402  (builder.ci is imported inside its commands)
+
+app.add_typer(ci_app, name="ci")
+
+
 def main():
     app()
 

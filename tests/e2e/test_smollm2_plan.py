@@ -36,7 +36,8 @@ def engine(smollm2_plan):
 
 def test_greedy_matches_transformers(engine, hf):
     tok, model = hf
-    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    # min_tokens mirrors HF's min_new_tokens: eos is masked until 32 tokens are out.
+    params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
     results = engine.generate(PROMPTS, params)
     for prompt, res in zip(PROMPTS, results):
         ids = tok(prompt, return_tensors="pt").input_ids

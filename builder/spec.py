@@ -195,6 +195,9 @@ class Spec(_Strict):
     scheduler: SchedulerSection = SchedulerSection()
     accuracy: AccuracySection = AccuracySection()
     golden: tuple[GoldenPrompt, ...] = ()
+    golden_agreement: Optional[float] = Field(
+        default=None, ge=0, le=1, description="kiln ci: least fraction of greedy tokens "
+        "(golden prompts, or a default prompt) that must equal the previous plan's")
 
     @model_validator(mode="after")
     def _buildable(self):
@@ -224,7 +227,10 @@ class Spec(_Strict):
 
     def canonical(self) -> dict:
         """The resolved spec as plain data, defaults filled in (stable for hashing)."""
-        return self.model_dump(mode="json")
+        data = self.model_dump(mode="json")
+        if data["golden_agreement"] is None:   # added later: unset keeps old fingerprints
+            del data["golden_agreement"]
+        return data
 
     def canonical_json(self) -> str:
         return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))

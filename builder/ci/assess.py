@@ -1,0 +1,144 @@
+"""What kiln ci does with each spec, and why: reuse a plan, build one, or report a failure.
+
+    load spec --bad--> fail (the spec's own message)
+      | quick key of the current plan matches?  --> reuse "unchanged"       (no torch, no hashing)
+      | fingerprint (opens the checkpoint, digests the weights, imports torch)
+      |   in the store?  --> reuse (the pointer moves if it was not current)
+      |   else           --> build, because: new spec, or which fingerprint input changed
+      |                      (spec / weights / toolchain / target), diffed against the
+      |                      fingerprint_inputs the current plan's manifest recorded
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from builder.ci.store import PlanStore
+from builder.spec import Spec, SpecError, load_spec
+from builder.uptodate import quick_up_to_date
+
+INPUTS = ("spec", "weights", "toolchain", "target")
+REUSE, BUILD, FAIL = "reuse", "build", "fail"
+
+
+@dataclass
+class Assessment:
+    spec_path: Path
+    action: str                          # reuse | build | fail
+    reason: str                          # one line for a person
+    name: Optional[str] = None
+    device: Optional[str] = None         # the spec's target.device (CI runner choice)
+    fingerprint: Optional[str] = None    # the plan this spec needs now
+    previous: Optional[str] = None       # the spec's current plan before this run
+    changed: list[dict] = field(default_factory=list)   # [{"input": "spec", "detail": ...}]
+    error: Optional[str] = None
+    spec: Optional[Spec] = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        return {"spec_path": str(self.spec_path), "name": self.name, "device": self.device,
+                "action": self.action, "reason": self.reason, "fingerprint": self.fingerprint,
+                "previous": self.previous, "changed": self.changed, "error": self.error}
+
+
+def find_specs(folder: str | os.PathLike) -> list[Path]:
+    """The spec files of a folder (*.yaml, *.yml), sorted; a file is taken as is."""
+    folder = Path(folder)
+    if folder.is_file():
+        return [folder]
+    return sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
+def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
+    """Decide what to do with one spec. `full`: skip the quick key, compute the fingerprint."""
+    try:
+        spec = load_spec(spec_path)
+    except SpecError as e:
+        return Assessment(spec_path, FAIL, "invalid spec", error=str(e))
+    a = Assessment(spec_path, BUILD, "", name=spec.name, device=spec.target.device, spec=spec)
+    ptr = store.pointer(spec.name)
+    a.previous = ptr.fingerprint if ptr else None
+    if not full and ptr is not None and quick_up_to_date(spec, store.plan_dir(ptr.fingerprint)):
+        a.action, a.reason, a.fingerprint = REUSE, "unchanged", ptr.fingerprint
+        return a
+
+    fp, inputs, error = _fingerprint(spec)
+    if error:
+        a.action, a.reason, a.error = FAIL, "cannot fingerprint", error
+        return a
+    a.fingerprint = fp
+    prev_manifest = store.manifest(a.previous) if a.previous else None
+    a.changed = diff_inputs(prev_manifest, inputs, spec) if prev_manifest else []
+    if fp == a.previous and store.has(fp):
+        a.action, a.reason = REUSE, "unchanged"
+    elif store.has(fp):
+        a.action = REUSE
+        a.reason = f"plan {fp[:12]} is already in the store; the pointer moves to it"
+    elif a.previous is None:
+        a.reason = "new spec (no current plan)"
+    elif prev_manifest is None:
+        a.reason = f"the current plan {a.previous[:12]} is missing from the store"
+    else:
+        a.reason = "changed: " + ", ".join(c["input"] for c in a.changed) if a.changed \
+            else "fingerprint changed"
+    return a
+
+
+def _fingerprint(spec: Spec) -> tuple[Optional[str], Optional[dict], Optional[str]]:
+    """(fingerprint, inputs, None) or (None, None, message). Imports torch."""
+    from builder.build import check_spec_against_model, plan_fingerprint
+    from builder.sources import CheckpointError, open_checkpoint
+
+    try:
+        ckpt = open_checkpoint(spec.model)
+        check_spec_against_model(spec, ckpt.config)
+        fp, inputs = plan_fingerprint(spec, ckpt)
+    except (SpecError, CheckpointError) as e:
+        return None, None, str(e)
+    except Exception as e:  # an unreadable checkpoint can fail in many ways
+        return None, None, f"{type(e).__name__}: {e}"
+    return fp, inputs, None
+
+
+def diff_inputs(prev_manifest: dict, inputs: dict, spec: Spec) -> list[dict]:
+    """Which fingerprint inputs differ from the ones the previous plan was built from."""
+    old = prev_manifest.get("fingerprint_inputs") or {}
+    out = []
+    for key in INPUTS:
+        if old.get(key) == inputs.get(key):
+            continue
+        if key == "spec":
+            detail = _diff_values(prev_manifest.get("spec") or {}, spec.canonical())
+        elif key == "weights":
+            detail = f"sha256 {_short(old.get(key))} -> {_short(inputs.get(key))}"
+        else:
+            detail = _diff_values(old.get(key) or {}, inputs.get(key) or {})
+        out.append({"input": key, "detail": detail or "changed"})
+    return out
+
+
+def _short(v: Any) -> str:
+    return str(v)[:12] if v else "(none)"
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def _diff_values(old: dict, new: dict, most: int = 4) -> str:
+    a, b = _flatten(old), _flatten(new)
+    parts = [f"{k}: {_fmt(a.get(k, '(unset)'))} -> {_fmt(b.get(k, '(unset)'))}"
+             for k in sorted(set(a) | set(b)) if a.get(k, "(unset)") != b.get(k, "(unset)")]
+    more = f"; and {len(parts) - most} more" if len(parts) > most else ""
+    return "; ".join(parts[:most]) + more
+
+
+def _fmt(v: Any) -> str:
+    s = repr(v) if isinstance(v, str) else str(v)
+    return s if len(s) <= 40 else s[:37] + "..."

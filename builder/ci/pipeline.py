@@ -1,0 +1,258 @@
+"""`kiln ci rebuild`: every spec -> a current, verified plan in the store, and a report.
+
+    assess every spec (quick keys first)                    -- in this process
+    build + verify each one that needs it, in .staging/      -- here, or N worker processes
+    publish the verified ones: plans/<fp>/, then the pointer -- here, one at a time
+    prune old plans (--keep), report
+
+A spec that fails (bad spec, unreadable checkpoint, failed build, failed verify) is reported
+with its message and its current plan stays current; the others go on.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, TextIO
+
+from builder.ci.assess import BUILD, FAIL, Assessment, assess
+from builder.ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
+from builder.ci.store import PlanStore
+
+
+@dataclass(frozen=True)
+class CIOptions:
+    store: Path
+    jobs: int = 1                  # builds at once (worker processes when > 1)
+    keep: int = 3                  # plans kept per spec (the current one always stays)
+    full: bool = False             # compute every fingerprint; ignore quick keys
+    target: Optional[str] = None   # only specs with this target.device (CI runner per target)
+
+
+def select(assessments: list[Assessment], target: Optional[str]) -> list[Assessment]:
+    """The specs a job for `target` handles; a spec that does not load is every job's."""
+    if target is None:
+        return assessments
+    return [a for a in assessments if a.device is None or a.device == target]
+
+
+def assess_all(spec_paths: list[Path], opts: CIOptions) -> list[Assessment]:
+    store = PlanStore(opts.store)
+    return select([assess(p, store, full=opts.full) for p in spec_paths], opts.target)
+
+
+def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = None) -> RunReport:
+    """Bring every spec's plan up to date in the store; never raises for one bad spec."""
+    log = log or sys.stderr
+    t0 = time.perf_counter()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    store = PlanStore(opts.store)
+    results: dict[int, SpecResult] = {}
+    jobs: list[tuple[int, Assessment, dict]] = []
+    for i, a in enumerate(assess_all(spec_paths, opts)):
+        label = a.name or str(a.spec_path)
+        if a.action == FAIL:
+            results[i] = _result(a, FAILED, error=a.error)
+            print(f"{label}: FAILED ({a.reason})", file=log)
+        elif a.action == BUILD:
+            print(f"{label}: building ({a.reason})", file=log)
+            jobs.append((i, a, {"staging": str(store.staging_dir(a.name)),
+                                "reference": _reference(store, a.previous)}))
+        else:
+            if store.current(a.name) != a.fingerprint:
+                store.set_current(a.name, a.fingerprint)
+            results[i] = _reused(store, a)
+            print(f"{label}: reused {a.fingerprint[:12]} ({a.reason})", file=log)
+
+    for i, a, out in _run_jobs(jobs, opts.jobs):
+        results[i] = _publish(store, a, out, opts.keep, log)
+    return RunReport([results[i] for i in sorted(results)], str(opts.store),
+                     time.perf_counter() - t0, started, _toolchain(), opts.target)
+
+
+def dry_run(spec_paths: list[Path], opts: CIOptions) -> dict:
+    """What `rebuild` would do, as data: per spec, plus the targets that need a build (a
+    CI matrix) and a cache key (changes whenever any spec's fingerprint does)."""
+    import hashlib
+    import json
+
+    assessments = assess_all(spec_paths, opts)
+    specs = [a.to_json() for a in assessments]
+    build_targets = sorted({a.device for a in assessments if a.action == BUILD and a.device})
+    all_targets = sorted({a.device for a in assessments if a.device})
+    key_data = sorted((a.name or str(a.spec_path), a.fingerprint or a.action)
+                      for a in assessments)
+    return {"specs": specs, "store": str(opts.store),
+            "counts": {k: sum(a.action == k for a in assessments) for k in ("reuse", BUILD, FAIL)},
+            "build_targets": build_targets, "targets": all_targets,
+            "matrix": {"include": [{"target": t} for t in all_targets]},
+            "cache_key": hashlib.sha256(json.dumps(key_data).encode()).hexdigest()[:32]}
+
+
+def _reference(store: PlanStore, fp: Optional[str]) -> Optional[dict]:
+    """golden_key -> token ids of the current plan (for golden_agreement), if recorded."""
+    rec = store.record(fp) if fp else None
+    golden = ((rec or {}).get("verify") or {}).get("golden") or []
+    return {g["key"]: g["token_ids"] for g in golden if g.get("key") and g.get("token_ids")}
+
+
+def _run_jobs(jobs, n: int):
+    """Yield (index, assessment, build_and_verify output) as builds finish."""
+    if n <= 1 or len(jobs) <= 1:
+        for i, a, kw in jobs:
+            yield i, a, build_and_verify(str(a.spec_path), **kw)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    ctx = multiprocessing.get_context("spawn")   # never fork a process that holds torch
+    with ProcessPoolExecutor(max_workers=n, mp_context=ctx, initializer=_worker_init,
+                             initargs=(max(1, (os.cpu_count() or 1) // n),)) as pool:
+        futures = {pool.submit(build_and_verify, str(a.spec_path), **kw): (i, a)
+                   for i, a, kw in jobs}
+        for f in as_completed(futures):
+            i, a = futures[f]
+            try:
+                out = f.result()
+            except Exception as e:   # the worker died
+                out = {"ok": False, "error": f"build worker failed: {type(e).__name__}: {e}",
+                       "staging": None}
+            yield i, a, out
+
+
+def _worker_init(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) -> dict:
+    """Build the spec into staging/plan and verify it there. Returns plain data (it may
+    cross a process boundary); never raises."""
+    from builder.build import build
+    from builder.progress import Progress
+
+    out: dict = {"ok": False, "staging": staging}
+    try:
+        res = build(spec_path, Path(staging) / "plan", force=True,
+                    progress=Progress(enabled=False))
+        out.update(fingerprint=res.fingerprint, build_seconds=res.seconds,
+                   plan_bytes=sum(m["size"] for m in res.manifest["files"].values()),
+                   measured_accuracy=res.manifest.get("accuracy"))
+    except Exception as e:
+        out["error"] = _message(e)
+        return out
+    t = time.perf_counter()
+    try:
+        from runtime.plan import load_plan
+        from runtime.verify import verify_plan
+
+        report = verify_plan(load_plan(res.path), reference)
+    except Exception as e:
+        out["error"] = f"verify: {_message(e)}"
+        return out
+    out.update(ok=report.ok, verify_seconds=time.perf_counter() - t, verify_text=report.text,
+               verify=report.details)
+    if not report.ok:
+        out["error"] = "verification failed:\n" + report.text
+    return out
+
+
+def _message(e: BaseException) -> str:
+    from builder.spec import SpecError
+
+    known = (SpecError,)
+    try:
+        from builder.build import BuildError
+        from builder.sources import CheckpointError
+        from runtime.plan import PlanError
+
+        known += (BuildError, CheckpointError, PlanError)
+    except Exception:
+        pass
+    if isinstance(e, known):
+        return str(e)
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"
+
+
+def _publish(store: PlanStore, a: Assessment, out: dict, keep: int, log: TextIO) -> SpecResult:
+    staging = Path(out["staging"]) if out.get("staging") else None
+    try:
+        if not out.get("ok"):
+            print(f"{a.name}: FAILED; current plan unchanged"
+                  f"{f' ({a.previous[:12]})' if a.previous else ''}", file=log)
+            return _result(a, FAILED, out, error=out.get("error"))
+        fp = out["fingerprint"]
+        store.add_plan(staging / "plan", fp, {
+            "name": a.name, "spec_path": str(a.spec_path), "reason": a.reason,
+            "changed": a.changed, "previous": a.previous,
+            "build_seconds": out.get("build_seconds"), "verify": out.get("verify"),
+            "verify_text": out.get("verify_text")})
+        store.set_current(a.name, fp)
+        removed = store.prune(a.name, keep)
+        print(f"{a.name}: published {fp[:12]}"
+              + (f", pruned {len(removed)} old plan(s)" if removed else ""), file=log)
+        res = _result(a, REBUILT, out)
+        res.fingerprint = fp
+        return res
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _result(a: Assessment, status: str, out: Optional[dict] = None,
+            error: Optional[str] = None) -> SpecResult:
+    out = out or {}
+    verify = out.get("verify") or {}
+    return SpecResult(
+        spec_path=str(a.spec_path), status=status, reason=a.reason, name=a.name,
+        device=a.device, fingerprint=None if status == FAILED else a.fingerprint,
+        previous=a.previous, changed=a.changed, build_seconds=out.get("build_seconds"),
+        verify_seconds=out.get("verify_seconds"), plan_bytes=out.get("plan_bytes"),
+        accuracy=(verify.get("accuracy") or {}).get("summary"),
+        verify=_verify_line(verify) if verify else None,
+        verify_text=out.get("verify_text"), error=error)
+
+
+def _verify_line(details: dict) -> str:
+    golden = details.get("golden") or []
+    good = sum(g["ok"] for g in golden)
+    parts = [f"golden {good}/{len(golden)}"]
+    agreement = details.get("agreement") or {}
+    if agreement.get("value") is not None:
+        parts.append(f"agreement {agreement['value']:.2f} (min {agreement['minimum']:.2f})")
+    ok = all(g["ok"] for g in golden) and agreement.get("ok", True) \
+        and (details.get("accuracy") or {}).get("ok", True)
+    return ("ok: " if ok else "FAILED: ") + ", ".join(parts)
+
+
+def _reused(store: PlanStore, a: Assessment) -> SpecResult:
+    res = _result(a, REUSED)
+    m = store.manifest(a.fingerprint) or {}
+    res.plan_bytes = sum(f.get("size", 0) for f in m.get("files", {}).values()) or None
+    rec = store.record(a.fingerprint) or {}
+    verify = rec.get("verify") or {}
+    res.accuracy = (verify.get("accuracy") or {}).get("summary")
+    res.verify = "verified when published" if rec else None
+    if a.previous == a.fingerprint:
+        res.previous = None       # nothing moved
+    return res
+
+
+def _toolchain() -> dict:
+    """kiln and torch versions without importing torch (package metadata)."""
+    from importlib import metadata
+
+    import kiln
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = None
+    return {"kiln": kiln.__version__, "torch": torch_version}

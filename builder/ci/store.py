@@ -1,0 +1,190 @@
+"""The plan store: plans by fingerprint, one pointer per spec.
+
+    store/
+      plans/<fingerprint>/        a plan directory exactly as `kiln build` wrote it; never
+                                  changed once there (content-addressed)
+      records/<fingerprint>.json  what kiln ci learnt building it: verify details (the golden
+                                  outputs the next plan is compared with), build time, why
+      current/<name>.json         {"fingerprint": ..., "history": [older fingerprints]}
+      .staging/                   builds in progress (same filesystem, so publishing is a rename)
+
+Publishing is two atomic steps: rename the verified plan into plans/<fp>/, then replace the
+pointer file. A reader sees the old plan or the new one, never half of one; a rollback is a
+pointer move.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+MANIFEST = "plan.json"
+
+
+class StoreError(RuntimeError):
+    """A store operation that cannot be done (the message says why)."""
+
+
+def write_json_atomic(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True)
+class Pointer:
+    name: str
+    fingerprint: str
+    history: tuple[str, ...]        # previously current fingerprints, newest first
+    updated_at: str
+
+
+class PlanStore:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.plans = self.root / "plans"
+        self.records = self.root / "records"
+        self.current_dir = self.root / "current"
+        self.staging = self.root / ".staging"
+
+    # ---- reading --------------------------------------------------------------------------------
+    def plan_dir(self, fp: str) -> Path:
+        return self.plans / fp
+
+    def manifest(self, fp: str) -> Optional[dict]:
+        return _read_json(self.plan_dir(fp) / MANIFEST)
+
+    def has(self, fp: str) -> bool:
+        """A complete plan under this fingerprint: manifest agrees, every file at its size."""
+        d = self.plan_dir(fp)
+        m = self.manifest(fp)
+        if m is None or m.get("fingerprint") != fp:
+            return False
+        return all((d / rel).is_file() and (d / rel).stat().st_size == meta.get("size")
+                   for rel, meta in m.get("files", {}).items())
+
+    def record(self, fp: str) -> Optional[dict]:
+        return _read_json(self.records / f"{fp}.json")
+
+    def pointer(self, name: str) -> Optional[Pointer]:
+        data = _read_json(self.current_dir / f"{name}.json")
+        if not data or not isinstance(data.get("fingerprint"), str):
+            return None
+        return Pointer(name, data["fingerprint"], tuple(data.get("history") or ()),
+                       data.get("updated_at", ""))
+
+    def current(self, name: str) -> Optional[str]:
+        p = self.pointer(name)
+        return p.fingerprint if p else None
+
+    def names(self) -> list[str]:
+        if not self.current_dir.is_dir():
+            return []
+        return sorted(p.stem for p in self.current_dir.glob("*.json"))
+
+    def plans_of(self, name: str) -> list[tuple[str, dict]]:
+        """(fingerprint, manifest) of every plan of this spec name, newest first."""
+        found = []
+        if self.plans.is_dir():
+            for d in self.plans.iterdir():
+                m = _read_json(d / MANIFEST)
+                if m and m.get("name") == name:
+                    found.append((d.name, m))
+        def published(item) -> tuple:
+            rec = self.record(item[0]) or {}
+            return (item[1].get("created_at", ""), rec.get("published_at", 0.0))
+        return sorted(found, key=published, reverse=True)
+
+    # ---- writing --------------------------------------------------------------------------------
+    def staging_dir(self, name: str) -> Path:
+        """A fresh directory for a build of `name`, on the store's filesystem."""
+        self.staging.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=self.staging, prefix=f"{name}-"))
+
+    def add_plan(self, plan_dir: Path, fp: str, record: dict) -> Path:
+        """Move a verified plan into plans/<fp>/ (its record first). Returns its path."""
+        write_json_atomic(self.records / f"{fp}.json", {**record, "published_at": time.time()})
+        dst = self.plan_dir(fp)
+        self.plans.mkdir(parents=True, exist_ok=True)
+        if self.has(fp):               # same fingerprint = same plan: keep the one there
+            shutil.rmtree(plan_dir, ignore_errors=True)
+            return dst
+        if dst.exists():               # an incomplete leftover under that name
+            shutil.rmtree(dst)
+        os.replace(plan_dir, dst)
+        return dst
+
+    def set_current(self, name: str, fp: str) -> Pointer:
+        """Point `name` at plan `fp` (atomic); the previous one goes into the history."""
+        if not self.has(fp):
+            raise StoreError(f"no complete plan {fp} in {self.plans}")
+        old = self.pointer(name)
+        history = []
+        if old is not None:
+            history = [h for h in (old.fingerprint, *old.history) if h != fp]
+        ptr = Pointer(name, fp, tuple(history), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        write_json_atomic(self.current_dir / f"{name}.json",
+                          {"name": name, "fingerprint": fp, "history": list(ptr.history),
+                           "updated_at": ptr.updated_at})
+        return ptr
+
+    def rollback(self, name: str, to: Optional[str] = None) -> Pointer:
+        """Point `name` back at `to` (a fingerprint or a unique prefix of one), or at the plan
+        that was current before this one."""
+        old = self.pointer(name)
+        if old is None:
+            raise StoreError(f"no current plan for {name!r} in {self.current_dir}")
+        if to is None:
+            choices = [h for h in old.history if self.has(h)]
+            if not choices:
+                raise StoreError(f"{name!r} has no earlier plan in the store to roll back to")
+            target = choices[0]
+        else:
+            matches = [fp for fp, _ in self.plans_of(name) if fp.startswith(to)]
+            if len(matches) != 1:
+                have = ", ".join(fp[:16] for fp, _ in self.plans_of(name)) or "none"
+                raise StoreError(f"{to!r} matches {len(matches)} plans of {name!r} "
+                                 f"(plans of {name!r} in the store: {have})")
+            target = matches[0]
+        return self.set_current(name, target)
+
+    def prune(self, name: str, keep: int) -> list[str]:
+        """Remove all but the `keep` newest plans of `name`; the current one always stays."""
+        current = self.current(name)
+        plans = [fp for fp, _ in self.plans_of(name)]
+        kept = set(plans[:max(keep, 0)]) | {current}
+        removed = [fp for fp in plans if fp not in kept]
+        for fp in removed:
+            # rename first: a reader never sees a half-deleted plan under its fingerprint
+            trash = self.staging / f"prune-{fp}-{os.getpid()}"
+            self.staging.mkdir(parents=True, exist_ok=True)
+            os.replace(self.plan_dir(fp), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            (self.records / f"{fp}.json").unlink(missing_ok=True)
+        if removed and (ptr := self.pointer(name)) is not None:
+            history = [h for h in ptr.history if h not in removed]
+            write_json_atomic(self.current_dir / f"{name}.json",
+                              {"name": name, "fingerprint": ptr.fingerprint, "history": history,
+                               "updated_at": ptr.updated_at})
+        return removed

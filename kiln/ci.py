@@ -1,0 +1,123 @@
+"""`kiln ci ...`: the typer sub-app. A thin layer over builder.ci (imported inside commands)."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Rebuild, verify and publish plans whenever a spec, its weights, the "
+                       "toolchain or the target changes.")
+
+SPECS = typer.Option(Path("model_specs"), "--specs", help="a folder of spec YAMLs (or one spec)")
+STORE = typer.Option(Path("kiln-store"), "--store", help="the plan store directory")
+TARGET = typer.Option(None, "--target", help="only specs whose target.device is this "
+                      "(cpu, h100, ...): one CI job per runner kind")
+
+
+def _fail(message: str, code: int = 1):
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _specs(folder: Path) -> list[Path]:
+    from builder.ci.assess import find_specs
+
+    if not folder.exists():
+        _fail(f"{folder}: no such spec folder (give one with --specs)", 2)
+    found = find_specs(folder)
+    if not found:
+        _fail(f"{folder}: no *.yaml specs there", 2)
+    return found
+
+
+@app.command("plan")
+def plan_cmd(specs: Path = SPECS, store: Path = STORE, target: Optional[str] = TARGET,
+             as_json: bool = typer.Option(False, "--json", help="machine-readable output "
+                                          "(per spec, build targets, CI matrix, cache key)"),
+             full: bool = typer.Option(False, "--full", help="compute every fingerprint "
+                                       "(ignore quick keys)")):
+    """Dry run: print what `kiln ci rebuild` would rebuild and why. Builds nothing."""
+    from builder.ci.pipeline import CIOptions, dry_run
+
+    data = dry_run(_specs(specs), CIOptions(store=store, full=full, target=target))
+    if as_json:
+        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+        return
+    for s in data["specs"]:
+        label = s["name"] or s["spec_path"]
+        fp = f" {s['fingerprint'][:12]}" if s["fingerprint"] else ""
+        typer.echo(f"{s['action']:<6} {label}{fp}: {s['reason']}")
+        for c in s["changed"]:
+            typer.echo(f"         {c['input']}: {c['detail']}")
+        if s["error"]:
+            typer.echo("         " + s["error"].replace("\n", "\n         "))
+    c = data["counts"]
+    typer.echo(f"{c['build']} to build, {c['reuse']} to reuse, {c['fail']} failing")
+
+
+@app.command("rebuild")
+def rebuild_cmd(specs: Path = SPECS, store: Path = STORE, target: Optional[str] = TARGET,
+                jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="builds at once"),
+                keep: int = typer.Option(3, "--keep", min=1, help="plans kept per spec; the "
+                                         "current one is never removed"),
+                report: Optional[Path] = typer.Option(None, "--report", help="write the "
+                                                      "markdown summary here"),
+                json_out: Optional[Path] = typer.Option(None, "--json", help="write the JSON "
+                                                        "report here"),
+                full: bool = typer.Option(False, "--full", help="compute every fingerprint "
+                                          "(ignore quick keys)")):
+    """Build, verify and publish every spec's plan that is missing from the store.
+    Exits 1 when any spec failed (the others are still built and reported)."""
+    from builder.ci.pipeline import CIOptions, rebuild
+    from builder.ci.report import render_markdown
+
+    result = rebuild(_specs(specs), CIOptions(store=store, jobs=jobs, keep=keep, full=full,
+                                              target=target))
+    text = render_markdown(result)
+    if report:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(text)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result.to_json(), indent=2, sort_keys=True))
+    sys.stdout.write(text)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@app.command("rollback")
+def rollback_cmd(name: str = typer.Argument(..., help="the spec name"),
+                 to: Optional[str] = typer.Option(None, "--to", help="a fingerprint (or a "
+                                                  "unique prefix); default: the previous plan"),
+                 store: Path = STORE):
+    """Point a spec back at an earlier plan in the store (a pointer move)."""
+    from builder.ci.store import PlanStore, StoreError
+
+    s = PlanStore(store)
+    old = s.current(name)
+    try:
+        ptr = s.rollback(name, to)
+    except StoreError as e:
+        _fail(str(e))
+    typer.echo(f"{name}: {old[:12] if old else '(none)'} -> {ptr.fingerprint[:12]} "
+               f"({s.plan_dir(ptr.fingerprint)})")
+
+
+@app.command("current")
+def current_cmd(name: Optional[str] = typer.Argument(None, help="a spec name (default: all)"),
+                store: Path = STORE):
+    """Print the current plan directory of a spec (or of every spec): `kiln serve $(kiln ci
+    current NAME)`."""
+    from builder.ci.store import PlanStore
+
+    s = PlanStore(store)
+    names = [name] if name else s.names()
+    for n in names:
+        fp = s.current(n)
+        if fp is None:
+            _fail(f"no current plan for {n!r} in {store}")
+        typer.echo(str(s.plan_dir(fp)) if name else f"{n}\t{fp[:12]}\t{s.plan_dir(fp)}")

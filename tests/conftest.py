@@ -57,3 +57,16 @@ def smollm2_plan(smollm2_gguf) -> Path:
 
     return build(ROOT / "model_specs" / "smollm2-135m-cpu.yaml",
                  ROOT / "plans" / "smollm2-135m-cpu", progress=Progress(enabled=False)).path
+
+
+@pytest.fixture(scope="module")
+def kiln_server(tiny_plan, tmp_path_factory):
+    """A `kiln serve` subprocess of the tiny plan on free loopback ports (one per module)."""
+    from tests.server_helpers import ServerProcess
+
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    server = ServerProcess(tiny_plan, "--drain-seconds", "5", log_path=log)
+    try:
+        yield server.wait_serving()
+    finally:
+        server.terminate()

@@ -1,0 +1,89 @@
+"""Run `kiln serve` as a subprocess on free loopback ports, for the server tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A `kiln serve PLAN` subprocess; `url` is HOST:PORT of its gRPC server."""
+
+    def __init__(self, plan: Path, *args: str, log_path: Path | None = None,
+                 channel_credentials: grpc.ChannelCredentials | None = None,
+                 metadata: tuple = ()):
+        self.port, self.metrics_port = free_port(), free_port()
+        self.url = f"127.0.0.1:{self.port}"
+        self.creds, self.metadata = channel_credentials, metadata
+        cmd = [sys.executable, "-m", "kiln.cli", "serve", str(plan), "--host", "127.0.0.1",
+               "--port", str(self.port), "--metrics-port", str(self.metrics_port), *args]
+        self.log_path = log_path
+        self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT)
+
+    def channel(self) -> grpc.Channel:
+        if self.creds is not None:
+            return grpc.secure_channel(self.url, self.creds,
+                                       options=[("grpc.ssl_target_name_override", "localhost")])
+        return grpc.insecure_channel(self.url)
+
+    def wait_serving(self, timeout: float = 180.0) -> "ServerProcess":
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        deadline = time.monotonic() + timeout
+        with self.channel() as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"kiln serve exited with {self.proc.returncode}: "
+                                       f"{self.log()}")
+                try:
+                    r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"kiln serve did not report SERVING in {timeout}s: {self.log()}")
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled kiln_* samples of /metrics."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
+                                      timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("kiln_") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-4000:] if self.log_path else ""
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            if self._log is not subprocess.DEVNULL:
+                self._log.close()

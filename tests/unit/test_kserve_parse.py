@@ -1,0 +1,94 @@
+"""KServe v2 request decoding (no server): raw and typed contents, BYTES framing, the
+TensorRT-LLM ensemble inputs and their refusals."""
+from __future__ import annotations
+
+import struct
+
+import grpc
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2 as kpb
+
+from runtime.server.errors import ServiceError
+from runtime.server.kserve import parse, response
+from runtime.server.tensors import decode_inputs, encode_bytes
+
+pytestmark = pytest.mark.unit
+
+
+def req(raw=True, **tensors):
+    """tensors: name=(datatype, shape, values)."""
+    r = kpb.ModelInferRequest(model_name="m", id="7")
+    for name, (dt, shape, values) in tensors.items():
+        t = r.inputs.add(name=name, datatype=dt, shape=shape)
+        if raw:
+            if dt == "BYTES":
+                r.raw_input_contents.append(encode_bytes(values))
+            else:
+                np_dt = {"INT32": "<i4", "FP32": "<f4", "BOOL": "?", "UINT64": "<u8"}[dt]
+                r.raw_input_contents.append(np.asarray(values, np_dt).tobytes())
+        else:
+            field = {"BYTES": "bytes_contents", "INT32": "int_contents", "FP32": "fp32_contents",
+                     "BOOL": "bool_contents", "UINT64": "uint64_contents"}[dt]
+            getattr(t.contents, field).extend(values)
+    return r
+
+
+BASE = dict(text_input=("BYTES", [1, 1], [b"hello"]), max_tokens=("INT32", [1, 1], [5]))
+
+
+@pytest.mark.parametrize("raw", [True, False])
+def test_parse_maps_ensemble_inputs(raw):
+    job = parse(req(raw, **BASE, stream=("BOOL", [1, 1], [True]),
+                    temperature=("FP32", [1, 1], [0.5]), top_p=("FP32", [1, 1], [0.0]),
+                    min_length=("INT32", [1, 1], [2]), random_seed=("UINT64", [1, 1], [2**63]),
+                    end_id=("INT32", [1, 1], [3]), stop_words=("BYTES", [1, 2], [b"x", b"yz"]),
+                    return_num_output_tokens=("BOOL", [1, 1], [True])), 100)
+    p = job.params
+    assert (job.id, job.prompt, job.stream, job.exclude_input) == ("7", "hello", True, False)
+    assert (p.max_tokens, p.temperature, p.top_p, p.min_tokens, p.seed) == (5, 0.5, 1.0, 2, 2**63)
+    assert p.stop == ("x", "yz") and p.stop_token_ids == (3,)
+    assert job.outputs == ["text_output", "num_output_tokens"]
+
+
+@pytest.mark.parametrize("tensors, reason", [
+    (dict(BASE, foo=("INT32", [1, 1], [1])), "unknown input 'foo'"),
+    (dict(text_input=BASE["text_input"]), "missing required input 'max_tokens'"),
+    (dict(BASE, max_tokens=("FP32", [1, 1], [5.0])), "datatype FP32; expected INT32"),
+    (dict(BASE, text_input=("BYTES", [1, 2], [b"a", b"b"])), "shape [1, 2]"),
+    (dict(BASE, max_tokens=("INT32", [1, 1], [0])), "max_tokens = 0"),
+    (dict(BASE, max_tokens=("INT32", [1, 1], [101])), "max_tokens = 101"),
+    (dict(BASE, text_input=("BYTES", [1, 1], [b"\xff\xfe"])), "not valid UTF-8"),
+    (dict(BASE, top_k=("INT32", [1, 1], [-5])), "top_k"),
+])
+def test_parse_refusals(tensors, reason):
+    with pytest.raises(ServiceError) as e:
+        parse(req(**tensors), 100)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert reason in e.value.message
+
+
+def test_raw_framing_errors():
+    r = req(**BASE)
+    r.raw_input_contents[0] = struct.pack("<I", 10) + b"abc"   # claims 10 bytes, has 3
+    with pytest.raises(ServiceError, match="claims 10 bytes"):
+        decode_inputs(r)
+    r = req(**BASE)
+    r.raw_input_contents[1] = b"\x01\x00"                       # 2 bytes for an INT32
+    with pytest.raises(ServiceError, match="needs 4 raw bytes"):
+        decode_inputs(r)
+    r = req(**BASE)
+    del r.raw_input_contents[1]
+    with pytest.raises(ServiceError, match="one entry per input"):
+        decode_inputs(r)
+
+
+def test_response_outputs_are_raw_and_flagged():
+    job = parse(req(**BASE, return_num_input_tokens=("BOOL", [1, 1], [True])), 100)
+    res = response(job, "m", "héllo", 3, 2, final=False)
+    assert [o.name for o in res.outputs] == ["text_output", "num_input_tokens"]
+    assert len(res.raw_output_contents) == 2 and list(res.outputs[0].shape) == [1, 1]
+    assert res.raw_output_contents[0] == struct.pack("<I", 6) + "héllo".encode()
+    assert np.frombuffer(res.raw_output_contents[1], "<i4").tolist() == [3]
+    assert res.parameters["triton_final_response"].HasField("bool_param")
+    assert res.parameters["triton_final_response"].bool_param is False

@@ -78,36 +78,37 @@ def test_one_byte_changed_is_refused(tiny_plan, tmp_path):
         load_plan(bad)
 
 
+def copy_with_manifest(plan: Path, dst: Path, edit) -> Path:
+    """A copy of `plan` whose manifest was changed by edit(manifest)."""
+    shutil.copytree(plan, dst)
+    m = json.loads((dst / "plan.json").read_text())
+    edit(m)
+    (dst / "plan.json").write_text(json.dumps(m))
+    return dst
+
+
 def test_plan_for_missing_isa_is_refused(tiny_plan, tmp_path):
-    bad = tmp_path / "plan"
-    shutil.copytree(tiny_plan, bad)
-    m = json.loads((bad / "plan.json").read_text())
     flags = set(Path("/proc/cpuinfo").read_text().split())
-    m["target"]["isa"] = "amx_tile" if "avx512f" in flags else "avx512"
-    (bad / "plan.json").write_text(json.dumps(m))
+    isa = "amx_tile" if "avx512f" in flags else "avx512"
+    bad = copy_with_manifest(tiny_plan, tmp_path / "plan",
+                             lambda m: m["target"].update(isa=isa))
     with pytest.raises(PlanError) as e:
         load_plan(bad)
     msg = str(e.value)
-    assert f"compiled for CPU ISA {m['target']['isa']}" in msg
+    assert f"compiled for CPU ISA {isa}" in msg
     assert "this CPU lacks" in msg and "kiln build" in msg
 
 
 def test_plan_for_other_torch_is_refused(tiny_plan, tmp_path):
-    bad = tmp_path / "plan"
-    shutil.copytree(tiny_plan, bad)
-    m = json.loads((bad / "plan.json").read_text())
-    m["toolchain"]["torch"] = "2.99.0"
-    (bad / "plan.json").write_text(json.dumps(m))
+    bad = copy_with_manifest(tiny_plan, tmp_path / "plan",
+                             lambda m: m["toolchain"].update(torch="2.99.0"))
     with pytest.raises(PlanError, match=r"compiled with torch 2.99.0.*this runtime has torch"):
         load_plan(bad)
 
 
 def test_wrong_format_version_is_refused(tiny_plan, tmp_path):
-    bad = tmp_path / "plan"
-    shutil.copytree(tiny_plan, bad)
-    m = json.loads((bad / "plan.json").read_text())
-    m["format_version"] = 99
-    (bad / "plan.json").write_text(json.dumps(m))
+    bad = copy_with_manifest(tiny_plan, tmp_path / "plan",
+                             lambda m: m.update(format_version=99))
     with pytest.raises(PlanError, match="format version 99"):
         load_plan(bad)
 

@@ -70,3 +70,16 @@ def kiln_server(tiny_plan, tmp_path_factory):
         yield server.wait_serving()
     finally:
         server.terminate()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    """(tokenizer, model) of transformers loading the same SmolLM2 GGUF: the numerics reference."""
+    import torch
+    import transformers
+
+    kw = dict(gguf_file=smollm2_gguf.name)
+    tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, dtype=torch.float32, **kw)
+    return tok, model.eval()

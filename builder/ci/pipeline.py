@@ -189,6 +189,9 @@ def _publish(store: PlanStore, a: Assessment, out: dict, keep: int, log: TextIO)
                   f"{f' ({a.previous[:12]})' if a.previous else ''}", file=log)
             return _result(a, FAILED, out, error=out.get("error"))
         fp = out["fingerprint"]
+        if out.get("verify_text"):   # name the plan where it will be, not where it was built
+            out["verify_text"] = out["verify_text"].replace(str(staging / "plan"),
+                                                            str(store.plan_dir(fp)))
         store.add_plan(staging / "plan", fp, {
             "name": a.name, "spec_path": str(a.spec_path), "reason": a.reason,
             "changed": a.changed, "previous": a.previous,

@@ -1,0 +1,66 @@
+"""The plan store: publish, pointer moves, rollback, prune (fake plans, no model)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from builder.ci.store import PlanStore, StoreError
+
+pytestmark = pytest.mark.unit
+
+
+def fake_plan(store: PlanStore, name: str, fp: str, created: str) -> None:
+    d = store.staging_dir(name)
+    (d / "engine.pt2").write_bytes(b"x" * 10)
+    (d / "plan.json").write_text(json.dumps({
+        "name": name, "fingerprint": fp, "created_at": created,
+        "files": {"engine.pt2": {"size": 10, "sha256": "0" * 64}}}))
+    store.add_plan(d, fp, {"name": name})
+    assert not d.exists()
+
+
+def test_publish_rollback_and_prune(tmp_path):
+    s = PlanStore(tmp_path / "store")
+    for i, fp in enumerate(["f1", "f2", "f3", "f4"]):
+        fake_plan(s, "m", fp, f"2025-01-0{i + 1}T00:00:00Z")
+        s.set_current("m", fp)
+    fake_plan(s, "other", "o1", "2025-01-01T00:00:00Z")
+    s.set_current("other", "o1")
+    assert s.current("m") == "f4" and s.pointer("m").history == ("f3", "f2", "f1")
+    assert s.names() == ["m", "other"]
+
+    assert s.rollback("m").fingerprint == "f3"            # the previous one
+    assert s.pointer("m").history == ("f4", "f2", "f1")
+    assert s.rollback("m", to="f1").fingerprint == "f1"    # a chosen one (prefix)
+    with pytest.raises(StoreError, match="matches 0 plans"):
+        s.rollback("m", to="zz")
+    with pytest.raises(StoreError, match="no current plan"):
+        s.rollback("nobody")
+
+    removed = s.prune("m", keep=2)                         # newest two + the current (f1)
+    assert sorted(removed) == ["f2"]
+    assert sorted(p.name for p in s.plans.iterdir()) == ["f1", "f3", "f4", "o1"]
+    assert "f2" not in s.pointer("m").history and s.record("f2") is None
+    assert s.current("other") == "o1"                      # another spec is never touched
+
+
+def test_incomplete_plan_is_not_in_the_store(tmp_path):
+    s = PlanStore(tmp_path / "store")
+    fake_plan(s, "m", "f1", "2025-01-01T00:00:00Z")
+    assert s.has("f1")
+    (s.plan_dir("f1") / "engine.pt2").write_bytes(b"short")
+    assert not s.has("f1")
+    with pytest.raises(StoreError, match="no complete plan"):
+        s.set_current("m", "f1")
+    fake_plan(s, "m", "f1", "2025-01-01T00:00:00Z")        # republishing repairs it
+    assert s.has("f1")
+
+
+def test_pointer_is_replaced_atomically(tmp_path):
+    s = PlanStore(tmp_path / "store")
+    fake_plan(s, "m", "f1", "2025-01-01T00:00:00Z")
+    s.set_current("m", "f1")
+    assert [p.name for p in s.current_dir.iterdir()] == ["m.json"]   # no temp files left
+    data = json.loads((s.current_dir / "m.json").read_text())
+    assert data["fingerprint"] == "f1" and data["history"] == []

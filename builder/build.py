@@ -140,17 +140,19 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
     DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     cfg = ckpt.config
     progress.stage(f"loading weights: {ckpt.source_desc}")
-    model = load_model(ckpt, dtype=DTYPES.get(spec.precision.weights, torch.float32))
+    model = load_model(ckpt, dtype=DTYPES.get(spec.precision.weights, torch.float32),
+                       progress=progress)
     model.eval()
 
-    quant_info = {"weights": spec.precision.weights, "scheme": None}
-    if spec.precision.weights in ("int8", "int4", "fp8"):
-        from builder.quantize import quantize_model
+    gate = None
+    if spec.max_ppl_increase is not None:
+        from builder.accuracy import Gate
 
-        progress.stage(f"quantizing to {spec.precision.weights}")
-        quant_info = quantize_model(model, spec.precision.weights,
-                                    group_size=spec.precision.group_size or 128,
-                                    keep_high_precision=spec.precision.keep_high_precision)
+        gate = Gate(spec, ckpt)
+        if spec.quantized:   # the fp32 model is at hand before quantizing (cached or not)
+            progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
+            gate.compute_reference(model)
+    quant_info = _quantize(model, spec, ckpt, progress)
 
     progress.stage("building kernels")
     kernels = kcompile.build_kernels(tmp / "kernels", spec)
@@ -169,6 +171,9 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
     progress.stage("checking the compiled step against the eager model")
     check = kcompile.check_engine(model, tmp, engine_file, kernels, spec, DTYPES[kv_dtype])
     del model
+    accuracy = None
+    if gate is not None:
+        accuracy = _accuracy_gate(gate, tmp, engine_file, kernels, spec, progress)
 
     (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
@@ -206,11 +211,61 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
         "scheduler": spec.scheduler.model_dump(mode="json"),
         "engine": {"backend": spec.target.backend, "file": engine_file.name,
                    "kernels": [k.relative_to(tmp).as_posix() for k in kernels],
-                   "plugins": ["paged_kv"] + (["quant"] if quant_info.get("scheme") else []),
+                   "plugins": kcompile.engine_plugins(spec),
                    "inputs": list(kcompile.INPUT_NAMES)},
         "check": check,
-        "accuracy": None,
+        "accuracy": accuracy,
         "files": files,
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
     return manifest
+
+
+def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
+    """Swap the model's linears for quantized ones (int8/int4/fp8); -> the manifest's record."""
+    p = spec.precision
+    if not spec.quantized:
+        return {"weights": p.weights, "scheme": None}
+    from builder.quantize import quantize_model
+
+    calibration = None
+    if spec.accuracy.calibration_text is not None:
+        from builder.accuracy import calibration_runner
+
+        calibration = calibration_runner(spec, ckpt)
+    progress.stage(f"quantizing to {p.weights}" + (" (AWQ-style calibration)" if calibration
+                                                   else ""))
+    try:
+        info = quantize_model(model, p.weights, group_size=p.group_size,
+                              keep_high_precision=p.keep_high_precision, calibration=calibration)
+    except ValueError as e:
+        path = ("precision.group_size" if "group_size" in str(e) else
+                "precision.keep_high_precision" if "keep_high_precision" in str(e)
+                else "precision.weights")
+        raise SpecError(spec.name, [(path, str(e))]) from None
+    info["group_size_source"] = ("spec" if p.group_size is not None else
+                                 "auto" if p.weights == "int4" else None)
+    if p.weights == "fp8":   # the CPU kernel upcasts E4M3 to fp32; a GPU with FP8 would MMA
+        info["fp8_compute"] = "fp8-mma" if spec.target.is_gpu else "upcast-fp32"
+    return info
+
+
+def _accuracy_gate(gate, tmp: Path, engine_file: Path, kernels, spec: Spec,
+                   progress: Progress) -> dict:
+    """Run the compiled plan on the evaluation text; BuildError when over the limit."""
+    from runtime import accuracy as racc
+    from builder import compile as kcompile
+    from runtime.plan import Plan, load_step_fn
+
+    progress.stage(f"accuracy gate: compiled plan vs unquantized model on {len(gate.ids)} "
+                   f"tokens of {gate.text_name}")
+    engine = {"backend": spec.target.backend, "file": engine_file.name,
+              "kernels": [k.relative_to(tmp).as_posix() for k in kernels],
+              "plugins": kcompile.engine_plugins(spec)}
+    step = load_step_fn(Plan(tmp, {"engine": engine}))
+    acc = gate.run(step, spec.kv_dtype, tmp)
+    progress.stage("accuracy: " + racc.describe(acc))
+    msg = racc.gate_message(acc, spec.name, spec.precision.weights)
+    if msg:
+        raise BuildError(msg)
+    return acc

@@ -1,10 +1,12 @@
 """Build progress for a person at a terminal (stages with timings, a tensor counter).
 
-On a terminal, counters redraw one line; elsewhere (CI logs) only stage lines are printed.
+On a terminal the current stage's line is redrawn with its elapsed time (a compile runs for
+minutes) and counters; elsewhere (CI logs) each stage prints one line when it ends.
 """
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 
@@ -16,29 +18,49 @@ class Progress:
         self.t0 = time.perf_counter()
         self._stage_t = self.t0
         self._stage = None
+        self._detail = ""
+        self._lock = threading.Lock()
+        self._ticker = None
 
     def _write(self, text: str) -> None:
         if self.enabled:
             self.stream.write(text)
             self.stream.flush()
 
+    def _redraw(self) -> None:
+        with self._lock:
+            if self._stage is not None:
+                dt = time.perf_counter() - self._stage_t
+                self._write(f"\r\x1b[K  {self._stage} ... {self._detail}{dt:.0f}s")
+
+    def _tick(self, stop: threading.Event) -> None:
+        while not stop.wait(1.0):
+            self._redraw()
+
     def _close_stage(self) -> None:
-        if self._stage is not None:
-            dt = time.perf_counter() - self._stage_t
-            self._write(("\r\x1b[K" if self.tty else "") + f"  {self._stage} ({dt:.1f}s)\n")
-        self._stage = None
+        if self._ticker is not None:
+            self._ticker.set()
+            self._ticker = None
+        with self._lock:
+            if self._stage is not None:
+                dt = time.perf_counter() - self._stage_t
+                self._write(("\r\x1b[K" if self.tty else "") + f"  {self._stage} ({dt:.1f}s)\n")
+            self._stage, self._detail = None, ""
 
     def stage(self, name: str) -> None:
         """Start a named stage (closing the previous one with its duration)."""
         self._close_stage()
         self._stage, self._stage_t = name, time.perf_counter()
         if self.tty:
-            self._write(f"  {name} ...")
+            self._ticker = threading.Event()
+            threading.Thread(target=self._tick, args=(self._ticker,), daemon=True).start()
+            self._redraw()
 
     def count(self, what: str, i: int, n: int) -> None:
         """A counter inside the current stage (e.g. tensors loaded), redrawn on a terminal."""
         if self.tty and (i == n or i % 8 == 0):
-            self._write(f"\r\x1b[K  {self._stage} ... {what} {i}/{n}")
+            self._detail = f"{what} {i}/{n} "
+            self._redraw()
 
     def done(self, message: str) -> None:
         self._close_stage()

@@ -95,12 +95,14 @@ def _has_gguf_magic(path: Path) -> bool:
         return False
 
 
-def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> LlamaModel:
+def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
+               progress=None) -> LlamaModel:
     """A LlamaModel (eval mode, no grad) with every parameter taken from ckpt.tensors().
 
     The model is built on the meta device; each streamed tensor is assigned to its
     parameter, so the weights exist once. Raises CheckpointError naming any tensor that
-    is not a parameter, comes twice, has the wrong shape, or is never given.
+    is not a parameter, comes twice, has the wrong shape, or is never given. `progress`
+    (a builder.progress.Progress) counts the tensors as they arrive.
     """
     with torch.device("meta"):
         model = LlamaModel(ckpt.config)
@@ -120,6 +122,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> LlamaMod
         module = model.get_submodule(owner) if owner else model
         setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
         filled.add(name)
+        if progress is not None:
+            progress.count("tensors", len(filled), len(declared))
     missing = [n for n in declared if n not in filled]
     if missing:
         raise CheckpointError(f"{ckpt.source_desc}: missing tensors: {', '.join(missing)}")

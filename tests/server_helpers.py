@@ -63,12 +63,12 @@ class ServerProcess:
         raise TimeoutError(f"kiln serve did not report SERVING in {timeout}s: {self.log()}")
 
     def metrics(self) -> dict[str, float]:
-        """The unlabelled kiln_* samples of /metrics."""
+        """The kiln_* samples of /metrics, keyed by name{labels}."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
                                       timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
-            if line.startswith("kiln_") and "{" not in line:
+            if line.startswith("kiln_"):
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out

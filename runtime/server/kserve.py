@@ -255,6 +255,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         try:
             job = self._parse(request)
             if job.stream:
+                self.fe.metrics.refused("invalid")
                 raise invalid("stream = true needs the ModelStreamInfer RPC (decoupled model)")
             res = await self._complete(job)
         except ServiceError as e:

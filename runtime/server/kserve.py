@@ -68,7 +68,13 @@ INPUTS: dict[str, InputSpec] = {
     "exclude_input_in_output": InputSpec(_BOOL),
     "return_num_input_tokens": InputSpec(_BOOL),
     "return_num_output_tokens": InputSpec(_BOOL),
+    "ignore_eos": InputSpec(_BOOL),        # genai-perf's --extra-inputs ignore_eos:true
+    # TensorRT-LLM clients may send these as false; true asks for what is not served
+    "return_log_probs": InputSpec(_BOOL),
+    "return_context_logits": InputSpec(_BOOL),
+    "return_generation_logits": InputSpec(_BOOL),
 }
+_UNSERVED = ("return_log_probs", "return_context_logits", "return_generation_logits")
 OUTPUTS = {"text_output": "BYTES", "num_input_tokens": "INT32", "num_output_tokens": "INT32"}
 
 
@@ -125,6 +131,9 @@ def parse(request, max_tokens_limit: int) -> Job:
                       "served max_seq_len less one prompt token)")
     if v.get("beam_width", 1) != 1:
         raise invalid(f"beam_width = {v['beam_width']}: only 1 (no beam search) is served")
+    for name in _UNSERVED:
+        if v.get(name):
+            raise invalid(f"{name} = true: log probs and logits are not served")
     if "min_tokens" in v and "min_length" in v and v["min_tokens"] != v["min_length"]:
         raise invalid("min_tokens and min_length (its old name) disagree")
     if "seed" in v and "random_seed" in v and v["seed"] != v["random_seed"]:
@@ -139,6 +148,7 @@ def parse(request, max_tokens_limit: int) -> Job:
         kw["seed"] = v.get("seed", v.get("random_seed"))
     if "end_id" in v:
         kw["stop_token_ids"] = (v["end_id"],)
+    kw["ignore_eos"] = bool(v.get("ignore_eos", False))
     kw["stop"] = tuple(v.get("stop_words", ()))
     kw["bad_words"] = tuple(v.get("bad_words", ()))
     try:

@@ -43,11 +43,13 @@ def test_parse_maps_ensemble_inputs(raw):
                     temperature=("FP32", [1, 1], [0.5]), top_p=("FP32", [1, 1], [0.0]),
                     min_length=("INT32", [1, 1], [2]), random_seed=("UINT64", [1, 1], [2**63]),
                     end_id=("INT32", [1, 1], [3]), stop_words=("BYTES", [1, 2], [b"x", b"yz"]),
-                    return_num_output_tokens=("BOOL", [1, 1], [True])), 100)
+                    return_num_output_tokens=("BOOL", [1, 1], [True]),
+                    ignore_eos=("BOOL", [1, 1], [True]),
+                    return_log_probs=("BOOL", [1, 1], [False])), 100)
     p = job.params
     assert (job.id, job.prompt, job.stream, job.exclude_input) == ("7", "hello", True, False)
     assert (p.max_tokens, p.temperature, p.top_p, p.min_tokens, p.seed) == (5, 0.5, 1.0, 2, 2**63)
-    assert p.stop == ("x", "yz") and p.stop_token_ids == (3,)
+    assert p.stop == ("x", "yz") and p.stop_token_ids == (3,) and p.ignore_eos
     assert job.outputs == ["text_output", "num_output_tokens"]
 
 
@@ -60,6 +62,8 @@ def test_parse_maps_ensemble_inputs(raw):
     (dict(BASE, max_tokens=("INT32", [1, 1], [101])), "max_tokens = 101"),
     (dict(BASE, text_input=("BYTES", [1, 1], [b"\xff\xfe"])), "not valid UTF-8"),
     (dict(BASE, top_k=("INT32", [1, 1], [-5])), "top_k"),
+    (dict(BASE, return_log_probs=("BOOL", [1, 1], [True])), "not served"),
+    (dict(BASE, beam_width=("INT32", [1, 1], [4])), "beam_width = 4"),
 ])
 def test_parse_refusals(tensors, reason):
     with pytest.raises(ServiceError) as e:

@@ -59,8 +59,10 @@ def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
     a = Assessment(spec_path, BUILD, "", name=spec.name, device=spec.target.device, spec=spec)
     ptr = store.pointer(spec.name)
     a.previous = ptr.fingerprint if ptr else None
-    if not full and ptr is not None and quick_up_to_date(spec, store.plan_dir(ptr.fingerprint)):
-        a.action, a.reason, a.fingerprint = REUSE, "unchanged", ptr.fingerprint
+    own = ptr and (ptr.pinned_from or ptr.fingerprint)   # the plan the spec gave last time
+    if not full and own and quick_up_to_date(spec, store.plan_dir(own)) \
+            and (own == ptr.fingerprint or store.has(ptr.fingerprint)):
+        a.action, a.reason, a.fingerprint = REUSE, _unchanged(ptr), ptr.fingerprint
         return a
 
     fp, inputs, error = _fingerprint(spec)
@@ -68,10 +70,10 @@ def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
         a.action, a.reason, a.error = FAIL, "cannot fingerprint", error
         return a
     a.fingerprint = fp
-    prev_manifest = store.manifest(a.previous) if a.previous else None
+    prev_manifest = store.manifest(own) if own else None
     a.changed = diff_inputs(prev_manifest, inputs, spec) if prev_manifest else []
-    if fp == a.previous and store.has(fp):
-        a.action, a.reason = REUSE, "unchanged"
+    if fp == own and store.has(ptr.fingerprint):
+        a.action, a.reason, a.fingerprint = REUSE, _unchanged(ptr), ptr.fingerprint
     elif store.has(fp):
         a.action = REUSE
         a.reason = f"plan {fp[:12]} is already in the store; the pointer moves to it"
@@ -83,6 +85,13 @@ def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
         a.reason = "changed: " + ", ".join(c["input"] for c in a.changed) if a.changed \
             else "fingerprint changed"
     return a
+
+
+def _unchanged(ptr) -> str:
+    if ptr.pinned_from:
+        return (f"unchanged; rolled back to {ptr.fingerprint[:12]} (kiln ci rollback), which "
+                f"stays current until the spec's inputs change from {ptr.pinned_from[:12]}")
+    return "unchanged"
 
 
 def _fingerprint(spec: Spec) -> tuple[Optional[str], Optional[dict], Optional[str]]:
@@ -127,6 +136,11 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
         out = {}
         for k, v in d.items():
             out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(d, (list, tuple)) and d:
+        out = {}
+        for i, v in enumerate(d):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
         return out
     return {prefix: d}
 

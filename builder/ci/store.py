@@ -5,15 +5,18 @@
                                   changed once there (content-addressed)
       records/<fingerprint>.json  what kiln ci learnt building it: verify details (the golden
                                   outputs the next plan is compared with), build time, why
-      current/<name>.json         {"fingerprint": ..., "history": [older fingerprints]}
+      current/<name>.json         {"fingerprint": ..., "history": [older fingerprints],
+                                   "pinned_from": the spec's own plan after a rollback}
       .staging/                   builds in progress (same filesystem, so publishing is a rename)
 
 Publishing is two atomic steps: rename the verified plan into plans/<fp>/, then replace the
 pointer file. A reader sees the old plan or the new one, never half of one; a rollback is a
-pointer move.
+pointer move. A rollback pins the pointer: kiln ci keeps it there while the spec's inputs
+still give the plan it was rolled back from, and moves on once they change.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -58,6 +61,7 @@ class Pointer:
     fingerprint: str
     history: tuple[str, ...]        # previously current fingerprints, newest first
     updated_at: str
+    pinned_from: Optional[str] = None   # set by a rollback: the plan it rolled back from
 
 
 class PlanStore:
@@ -92,7 +96,7 @@ class PlanStore:
         if not data or not isinstance(data.get("fingerprint"), str):
             return None
         return Pointer(name, data["fingerprint"], tuple(data.get("history") or ()),
-                       data.get("updated_at", ""))
+                       data.get("updated_at", ""), data.get("pinned_from"))
 
     def current(self, name: str) -> Optional[str]:
         p = self.pointer(name)
@@ -135,7 +139,7 @@ class PlanStore:
         os.replace(plan_dir, dst)
         return dst
 
-    def set_current(self, name: str, fp: str) -> Pointer:
+    def set_current(self, name: str, fp: str, pinned_from: Optional[str] = None) -> Pointer:
         """Point `name` at plan `fp` (atomic); the previous one goes into the history."""
         if not self.has(fp):
             raise StoreError(f"no complete plan {fp} in {self.plans}")
@@ -143,15 +147,20 @@ class PlanStore:
         history = []
         if old is not None:
             history = [h for h in (old.fingerprint, *old.history) if h != fp]
-        ptr = Pointer(name, fp, tuple(history), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-        write_json_atomic(self.current_dir / f"{name}.json",
-                          {"name": name, "fingerprint": fp, "history": list(ptr.history),
-                           "updated_at": ptr.updated_at})
+        ptr = Pointer(name, fp, tuple(history), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      pinned_from if pinned_from != fp else None)
+        self._write_pointer(ptr)
         return ptr
+
+    def _write_pointer(self, ptr: Pointer) -> None:
+        write_json_atomic(self.current_dir / f"{ptr.name}.json",
+                          {"name": ptr.name, "fingerprint": ptr.fingerprint,
+                           "history": list(ptr.history), "updated_at": ptr.updated_at,
+                           "pinned_from": ptr.pinned_from})
 
     def rollback(self, name: str, to: Optional[str] = None) -> Pointer:
         """Point `name` back at `to` (a fingerprint or a unique prefix of one), or at the plan
-        that was current before this one."""
+        that was current before this one. Pinned until the spec's inputs change."""
         old = self.pointer(name)
         if old is None:
             raise StoreError(f"no current plan for {name!r} in {self.current_dir}")
@@ -167,13 +176,16 @@ class PlanStore:
                 raise StoreError(f"{to!r} matches {len(matches)} plans of {name!r} "
                                  f"(plans of {name!r} in the store: {have})")
             target = matches[0]
-        return self.set_current(name, target)
+        return self.set_current(name, target, pinned_from=old.pinned_from or old.fingerprint)
 
     def prune(self, name: str, keep: int) -> list[str]:
-        """Remove all but the `keep` newest plans of `name`; the current one always stays."""
-        current = self.current(name)
+        """Remove all but the `keep` newest plans of `name`; the current one always stays
+        (and, after a rollback, the plan it rolled back from)."""
+        ptr = self.pointer(name)
         plans = [fp for fp, _ in self.plans_of(name)]
-        kept = set(plans[:max(keep, 0)]) | {current}
+        kept = set(plans[:max(keep, 0)])
+        if ptr is not None:       # the current plan, and the one a rollback came from
+            kept |= {ptr.fingerprint, ptr.pinned_from}
         removed = [fp for fp in plans if fp not in kept]
         for fp in removed:
             # rename first: a reader never sees a half-deleted plan under its fingerprint
@@ -183,8 +195,6 @@ class PlanStore:
             shutil.rmtree(trash, ignore_errors=True)
             (self.records / f"{fp}.json").unlink(missing_ok=True)
         if removed and (ptr := self.pointer(name)) is not None:
-            history = [h for h in ptr.history if h not in removed]
-            write_json_atomic(self.current_dir / f"{name}.json",
-                              {"name": name, "fingerprint": ptr.fingerprint, "history": history,
-                               "updated_at": ptr.updated_at})
+            self._write_pointer(dataclasses.replace(
+                ptr, history=tuple(h for h in ptr.history if h not in removed)))
         return removed

@@ -215,6 +215,9 @@ def test_edit_one_spec_rebuilds_exactly_it(repo):
     r = CliRunner().invoke(app, ["ci", "rollback", "tiny-b", "--store", str(repo.store.root)])
     assert r.exit_code == 0, r.output
     assert repo.store.current("tiny-b") == old_b
+    again = by_name(repo.run())["tiny-b"]       # the rollback holds while the spec does
+    assert again.status == "reused" and "rolled back to" in again.reason
+    assert repo.store.current("tiny-b") == old_b
     r = CliRunner().invoke(app, ["ci", "rollback", "tiny-b", "--to", b.fingerprint[:10],
                                  "--store", str(repo.store.root)])
     assert r.exit_code == 0, r.output

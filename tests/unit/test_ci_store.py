@@ -30,19 +30,23 @@ def test_publish_rollback_and_prune(tmp_path):
     assert s.current("m") == "f4" and s.pointer("m").history == ("f3", "f2", "f1")
     assert s.names() == ["m", "other"]
 
+    assert s.pointer("m").pinned_from is None
     assert s.rollback("m").fingerprint == "f3"            # the previous one
     assert s.pointer("m").history == ("f4", "f2", "f1")
+    assert s.pointer("m").pinned_from == "f4"              # kiln ci keeps it while f4 holds
     assert s.rollback("m", to="f1").fingerprint == "f1"    # a chosen one (prefix)
+    assert s.pointer("m").pinned_from == "f4"
     with pytest.raises(StoreError, match="matches 0 plans"):
         s.rollback("m", to="zz")
     with pytest.raises(StoreError, match="no current plan"):
         s.rollback("nobody")
 
-    removed = s.prune("m", keep=2)                         # newest two + the current (f1)
-    assert sorted(removed) == ["f2"]
-    assert sorted(p.name for p in s.plans.iterdir()) == ["f1", "f3", "f4", "o1"]
-    assert "f2" not in s.pointer("m").history and s.record("f2") is None
+    removed = s.prune("m", keep=1)           # the newest (f4, also pinned_from) + current f1
+    assert sorted(removed) == ["f2", "f3"]
+    assert sorted(p.name for p in s.plans.iterdir()) == ["f1", "f4", "o1"]
+    assert s.pointer("m").history == ("f4",) and s.record("f2") is None
     assert s.current("other") == "o1"                      # another spec is never touched
+    assert s.rollback("m", to="f4").pinned_from is None    # back on the spec's own plan
 
 
 def test_incomplete_plan_is_not_in_the_store(tmp_path):

@@ -131,28 +131,33 @@ def _short(v: Any) -> str:
     return str(v)[:12] if v else "(none)"
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(d, (list, tuple)) and d:
-        out = {}
-        for i, v in enumerate(d):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out
-    return {prefix: d}
+_UNSET = object()
+
+
+def _diff(a: Any, b: Any, path: str, out: list[str]) -> None:
+    """Append "path: old -> new" for every leaf where a and b differ."""
+    if a == b:
+        return
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            _diff(a.get(k, _UNSET), b.get(k, _UNSET), f"{path}.{k}" if path else str(k), out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        for i in range(max(len(a), len(b))):
+            _diff(a[i] if i < len(a) else _UNSET, b[i] if i < len(b) else _UNSET,
+                  f"{path}[{i}]", out)
+    else:
+        out.append(f"{path}: {_fmt(a)} -> {_fmt(b)}")
 
 
 def _diff_values(old: dict, new: dict, most: int = 4) -> str:
-    a, b = _flatten(old), _flatten(new)
-    parts = [f"{k}: {_fmt(a.get(k, '(unset)'))} -> {_fmt(b.get(k, '(unset)'))}"
-             for k in sorted(set(a) | set(b)) if a.get(k, "(unset)") != b.get(k, "(unset)")]
+    parts: list[str] = []
+    _diff(old, new, "", parts)
     more = f"; and {len(parts) - most} more" if len(parts) > most else ""
     return "; ".join(parts[:most]) + more
 
 
 def _fmt(v: Any) -> str:
+    if v is _UNSET:
+        return "(unset)"
     s = repr(v) if isinstance(v, str) else str(v)
     return s if len(s) <= 40 else s[:37] + "..."

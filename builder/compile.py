@@ -18,6 +18,11 @@ INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "contex
                "query_start_loc", "logits_indices", "k_caches", "v_caches")
 
 
+def engine_plugins(spec) -> list[str]:
+    """The plugins whose ops the engine calls (imported by the runtime before it loads)."""
+    return ["paged_kv"] + (["quant"] if spec.quantized else [])
+
+
 def build_kernels(out_dir: Path, spec) -> list[Path]:
     """Compile the plugins' C++ kernels for this target and copy them into the plan."""
     libs = []
@@ -114,8 +119,7 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kern
     bs = spec.kv_cache.tokens_per_block
     engine = {"backend": spec.target.backend, "file": engine_file.name,
               "kernels": [k.relative_to(plan_dir).as_posix() for k in kernels],
-              "plugins": ["paged_kv"] + (["quant"] if spec.precision.weights in
-                                         ("int8", "int4", "fp8") else [])}
+              "plugins": engine_plugins(spec)}
     step = load_step_fn(Plan(plan_dir, {"engine": engine}))
     B = min(3, spec.limits.max_batch_size)
     chunk = min(spec.limits.max_num_tokens - (B - 1), 12, spec.limits.max_seq_len - 2)
@@ -138,7 +142,15 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kern
         worst = max(worst, (ref - got).abs().max().item())
         starts = [s + n for s, n in zip(starts, lens)]
         lens = [1] * B
-    tol = 1e-3 if kv_dtype == torch.float32 and spec.precision.weights == "fp32" else 5e-2
+    # Both sides run the same ops (quantized plans: the same kiln::linear_* kernels, loaded
+    # by build_kernels), so the difference is the compiler's alone: fusion and summation
+    # order, amplified by bf16 roundings of weights or K/V where those are bf16.
+    if kv_dtype == torch.float32 and spec.precision.weights == "fp32":
+        tol = 1e-3
+    elif kv_dtype == torch.float32 and spec.quantized:
+        tol = 5e-3
+    else:
+        tol = 5e-2
     if not worst <= tol:
         raise RuntimeError(f"the compiled engine disagrees with the eager model: max logit "
                            f"difference {worst:.3g} > {tol}; this is a compiler bug, the plan "

@@ -3,9 +3,13 @@
     report = quantize_model(model, "int4", group_size=64, calibration=run_calibration)
 
 The model file knows nothing of packing; this module knows nothing of the architecture beyond
-two names: the token embedding (`tok_embeddings`, never quantized) and the lm_head (the
-`output` Linear, or the tied embedding matrix). The returned dict describes what was done and
-goes into the plan manifest.
+two names: the token embedding (`tok_embeddings`) and the lm_head (the `output` Linear, or the
+tied embedding matrix). The returned dict describes what was done and goes into the plan
+manifest (precision.quantization).
+
+Layers named in keep_high_precision keep their float dtype. The embedding, when not kept, is
+stored int8 per row (QuantEmbedding: a gather needs a per-row format); the lm_head, when not
+kept, in the plan's scheme; a tied int8 lm_head shares the embedding's int8 table.
 
 AWQ-style calibration (int4): for each linear, per-input-channel scales s = mean|x|^alpha
 (normalized) are searched over alpha on the linear's calibration inputs, minimizing the error
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from plugins.quant import formats
-from plugins.quant.modules import QuantLinear
+from plugins.quant.modules import QuantEmbedding, QuantLinear
 
 EMBED, LM_HEAD = "embed", "lm_head"
 AWQ_ALPHAS = tuple(i / 10 for i in range(11))
@@ -119,9 +123,6 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     if weights not in formats.SCHEMES:
         raise ValueError(f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
     keep = tuple(keep_high_precision)
-    if EMBED not in keep:
-        raise ValueError("keep_high_precision must contain 'embed': there is no quantized "
-                         "embedding op (the token embedding stays in its float dtype)")
     if group_size is not None and weights != "int4":
         raise ValueError(f"group_size applies to int4 only (weights={weights!r})")
     linears = _targets(model, keep)
@@ -146,9 +147,18 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         acts = (dict(calibration) if isinstance(calibration, Mapping)
                 else collect_inputs(model, linears, calibration))
         method = "awq"
-    report = {"weights": weights, "group_size": gs, "method": method,
+    report = {"weights": weights, "scheme": weights, "group_size": gs, "method": method,
               "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
+              "embedding": "float" if EMBED in keep else "int8-per-row",
               "bytes_before": 0, "bytes_after": 0}
+    if weights == "fp8":   # weights stored E4M3; this CPU kernel upcasts them (no FP8 MMA)
+        report["fp8_compute"] = "upcast-fp32"
+    qemb = None
+    if EMBED not in keep:
+        emb = model.tok_embeddings
+        qemb = QuantEmbedding.from_embedding(emb)
+        report["bytes_before"] += emb.weight.numel() * emb.weight.element_size()
+        report["bytes_after"] += sum(b.numel() * b.element_size() for b in qemb.buffers())
     if calibration is not None and weights != "int4":
         report["calibration"] = "not used: AWQ scale search applies to int4 only"
     for name, lin in all_q.items():
@@ -156,11 +166,21 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         if name in acts:
             scale, alpha = awq_search(lin.weight, acts[name], weights, gs)
             report["awq_alpha"][name] = alpha
-        q = QuantLinear.from_linear(lin, weights, gs, scale)
+        if name == "output" and qemb is not None and weights == "int8" and scale is None \
+                and lin.weight is model.tok_embeddings.weight:    # tied: one int8 table
+            q = QuantLinear(formats.QuantizedWeight("int8", qemb.qweight, qemb.scales, None,
+                                                    None, tuple(lin.weight.shape)))
+        else:
+            q = QuantLinear.from_linear(lin, weights, gs, scale)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, q)
         report["quantized"].append(name)
         report["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
-        report["bytes_after"] += sum(b.numel() * b.element_size() for b in q.buffers())
+        shared = qemb is not None and q.qweight is qemb.qweight
+        report["bytes_after"] += 0 if shared else sum(b.numel() * b.element_size()
+                                                      for b in q.buffers())
+    if qemb is not None:
+        model.tok_embeddings = qemb
+        report["quantized"].append("tok_embeddings")
     return report

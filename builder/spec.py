@@ -18,8 +18,16 @@ WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
 KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 # Weight precisions this build of Kiln knows how to build; the rest are rejected with a
 # message that says so (rather than building something else silently).
-BUILDABLE_WEIGHTS = ("fp32", "bf16")
+BUILDABLE_WEIGHTS = ("fp32", "bf16", "int8", "int4", "fp8")
+QUANTIZED_WEIGHTS = ("int8", "int4", "fp8")
+# int8/fp8 KV caches need scales in the paged-attention kernel and the pool accounting;
+# not built yet (rejected with a message that says so).
 BUILDABLE_KV = ("fp32", "bf16")
+# Default accuracy gate (largest relative perplexity increase over the unquantized model)
+# per weight precision; chosen from SmolLM2-135M measurements (README "Precisions"): a
+# healthy plan passes with margin, a broken one (wrong scales, a bad kernel) fails.
+DEFAULT_MAX_PPL_INCREASE = {"bf16": 0.01, "fp16": 0.01, "fp8": 0.05, "int8": 0.03,
+                            "int4": 0.15}
 
 # Known NVIDIA targets by name -> compute capability.
 GPU_TARGETS = {
@@ -115,14 +123,17 @@ class TargetSection(_Strict):
 class PrecisionSection(_Strict):
     weights: Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"] = "fp32"
     group_size: Optional[Literal[32, 64, 128]] = Field(
-        default=None, description="int4 group size (32, 64, 128); default 128")
+        default=None, description="int4 group size (32, 64, 128); default: the largest that "
+        "divides every quantized layer's input width (recorded in the plan)")
     kv_cache: Optional[Literal["fp32", "bf16", "fp16", "int8", "fp8"]] = Field(
         default=None, description="KV pool dtype; default: fp32 for fp32 weights, else bf16")
     activations: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
         default="fp32", description="activation dtype of the matmuls")
     keep_high_precision: tuple[str, ...] = Field(
         default=("embed", "lm_head"),
-        description="layers that keep the unquantized dtype (embed, lm_head)")
+        description="layers that keep the unquantized float dtype in a quantized plan: "
+        "embed, lm_head, or module names (w2, layers.0). An embedding or lm_head left out is "
+        "stored int8 per row (the lm_head in the plan's scheme)")
 
 
 class LimitsSection(_Strict):
@@ -206,10 +217,14 @@ class Spec(_Strict):
                              f"by this version of kiln; allowed: {', '.join(BUILDABLE_WEIGHTS)}")
         if self.precision.kv_cache is not None and self.precision.kv_cache not in BUILDABLE_KV:
             raise _PathError("precision.kv_cache", f"{self.precision.kv_cache!r} is not built "
-                             f"by this version of kiln; allowed: {', '.join(BUILDABLE_KV)}")
+                             f"by this version of kiln (a quantized KV cache needs scales in "
+                             f"the paged-attention kernel); allowed: {', '.join(BUILDABLE_KV)}")
         if self.precision.group_size is not None and self.precision.weights != "int4":
             raise _PathError("precision.group_size", "group_size applies to int4 weights only "
                              f"(weights is {self.precision.weights!r})")
+        if self.accuracy.calibration_text is not None and self.precision.weights != "int4":
+            raise _PathError("accuracy.calibration_text", "AWQ-style calibration applies to "
+                             f"int4 weights only (weights is {self.precision.weights!r})")
         if self.precision.activations == "fp8":
             cc = self.target.compute_capability
             if cc is None or int(cc[3:]) < 89:
@@ -218,6 +233,17 @@ class Spec(_Strict):
         if self.target.backend == "eager" and self.target.is_gpu:
             pass
         return self
+
+    @property
+    def quantized(self) -> bool:
+        return self.precision.weights in QUANTIZED_WEIGHTS
+
+    @property
+    def max_ppl_increase(self) -> Optional[float]:
+        """The accuracy gate's limit; None: no gate (fp32 weights, unless the spec sets one)."""
+        if self.accuracy.max_ppl_increase is not None:
+            return self.accuracy.max_ppl_increase
+        return DEFAULT_MAX_PPL_INCREASE.get(self.precision.weights)
 
     @property
     def kv_dtype(self) -> str:

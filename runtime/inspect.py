@@ -57,7 +57,7 @@ def describe(m: dict, path: Path | str = "") -> str:
     acc = m.get("accuracy")
     if acc:
         rows.append(("accuracy", f"ppl {acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized "
-                                 f"(+{acc['ppl_increase']:.2%}, limit {acc['max_ppl_increase']:.2%}), "
+                                 f"({acc['ppl_increase']:+.2%}, limit {acc['max_ppl_increase']:.2%}), "
                                  f"top-1 agreement {acc['top1_agreement']:.2%} on "
                                  f"{acc['tokens']} tokens"))
     elif m.get("check"):

@@ -66,4 +66,28 @@ class QuantLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme}{g}{a}"
 
 
-__all__ = ["QuantLinear", "ops"]
+class QuantEmbedding(nn.Module):
+    """nn.Embedding with an int8 per-row table: out[t] = qweight[ids[t]] * scales[ids[t]].
+
+    Per-row int8 is the int8 linear format of the same [vocab, hidden] matrix, so a tied
+    lm_head can run linear_int8 on these very buffers."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = qweight.shape
+        self.register_buffer("qweight", qweight)                      # int8 [V, H]
+        self.register_buffer("scales", scales)                        # float32 [V]
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> "QuantEmbedding":
+        q, s = formats.quantize_int8(emb.weight)
+        return cls(q, s)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight[ids].float() * self.scales[ids].unsqueeze(-1)   # [T, H] float32
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row"
+
+
+__all__ = ["QuantEmbedding", "QuantLinear", "ops"]

@@ -1,0 +1,168 @@
+"""The build-time accuracy gate: the compiled plan vs the unquantized model, same tokens.
+
+    ids = first accuracy.eval_tokens tokens of the evaluation text (runtime/accuracy.py)
+    reference = eager fp32 model of the same checkpoint on the same windows   (cached)
+    plan      = the compiled engine through runtime's Executor               (packed steps)
+    -> ppl, ref_ppl, ppl_increase, top1_agreement -> manifest["accuracy"]; over the limit:
+       BuildError (no plan is written)
+
+The reference (ppl + top-1 predictions) is cached under $XDG_CACHE_HOME/kiln/accuracy
+(default ~/.cache/kiln/accuracy), keyed by the weights digest, the text digest, the token
+count, the window and the tokenizer digest, so rebuilds and several precisions of one
+checkpoint pay for it once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from runtime import accuracy as racc
+from runtime.executor import ModelInput
+
+REFERENCE_VERSION = 1      # bump when the reference computation changes
+CALIBRATION_TOKENS = 1024  # AWQ calibration tokens (taken after the evaluation tokens)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "kiln" / "accuracy"
+
+
+def encoder(tokenizer_json: str) -> Callable[[str], list[int]]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer_json)
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+@torch.inference_mode()
+def evaluate_eager(model: torch.nn.Module, ids: list[int], window: int,
+                   tokens_per_block: int = 16) -> racc.EvalResult:
+    """Scores ids with the eager model: one forward per window, logits for every position."""
+    cfg = model.cfg
+    blocks = -(-window // tokens_per_block)
+    shape = (blocks + 1, tokens_per_block, cfg.num_kv_heads, cfg.head_dim)
+    dtype = next(model.parameters()).dtype
+    kc = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+    vc = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+    table = list(range(1, blocks + 1))
+    nll, count, top1 = 0.0, 0, []
+    for win in racc.windows(ids, window):
+        inp = ModelInput.build([win], [0], [table], tokens_per_block)
+        n = len(win) - 1
+        inp.logits_indices = torch.arange(n, dtype=torch.int64)   # every position but the last
+        logits = model(*inp.args(), kc, vc)                        # [n, vocab]
+        s, am = racc.score_logits(logits, torch.tensor(win[1:]))
+        nll += s
+        count += n
+        top1 += am
+    return racc.EvalResult(nll, count, top1)
+
+
+def reference_key(weights_digest: str, text_sha: str, n_tokens: int, window: int,
+                  tokenizer_json: str) -> str:
+    data = {"weights": weights_digest, "text": text_sha, "tokens": n_tokens, "window": window,
+            "tokenizer": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+            "version": REFERENCE_VERSION}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def reference(ckpt, ids: list[int], window: int, text_sha: str,
+              model: Optional[torch.nn.Module] = None) -> tuple[racc.EvalResult, bool]:
+    """The unquantized (eager fp32) result on ids, from the cache or computed; (result, cached).
+
+    `model`: an fp32 model of ckpt not yet quantized (saves loading one)."""
+    key = reference_key(ckpt.weights_digest, text_sha, len(ids), window, ckpt.tokenizer_json)
+    path = cache_dir() / f"{key}.json"
+    try:
+        d = json.loads(path.read_text())
+        return racc.EvalResult(d["nll_sum"], d["count"], d["top1"]), True
+    except (OSError, ValueError, KeyError):
+        pass
+    if model is None or next(model.parameters()).dtype != torch.float32:
+        from builder.sources import load_model
+
+        model = load_model(ckpt, dtype=torch.float32).eval()
+    res = evaluate_eager(model, ids, window)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ref.")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"nll_sum": res.nll_sum, "count": res.count, "top1": res.top1,
+                       "ppl": res.ppl}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass   # an unwritable cache only costs time
+    return res, False
+
+
+class Gate:
+    """The evaluation tokens of one build and its reference result."""
+
+    def __init__(self, spec, ckpt):
+        self.spec = spec
+        self.text_name = "pydoc"
+        text = racc.eval_text(self.text_name)
+        self.text_sha = racc.sha256_text(text)
+        self.window = racc.window_size({"max_num_tokens": spec.limits.max_num_tokens,
+                                        "max_seq_len": spec.limits.max_seq_len})
+        n = spec.accuracy.eval_tokens
+        all_ids = racc.eval_ids(encoder(ckpt.tokenizer_json), text, n)
+        self.ids = all_ids
+        self.ckpt = ckpt
+        self.ref: Optional[racc.EvalResult] = None
+        self.ref_cached = False
+
+    def compute_reference(self, model=None) -> None:
+        self.ref, self.ref_cached = reference(self.ckpt, self.ids, self.window, self.text_sha,
+                                              model)
+
+    def run(self, step_fn, kv_dtype: str, plan_dir: Path) -> dict:
+        """Measure the compiled plan; writes the reference's top-1 into plan_dir. -> accuracy
+        dict (the manifest's; `passed` says whether the gate holds)."""
+        spec = self.spec
+        if self.ref is None:
+            self.compute_reference()
+        limits = {"max_num_tokens": spec.limits.max_num_tokens,
+                  "max_seq_len": spec.limits.max_seq_len,
+                  "max_batch_size": spec.limits.max_batch_size}
+        cfg = self.ckpt.config
+        res = racc.evaluate_step(step_fn, {"num_layers": cfg.num_layers,
+                                           "num_kv_heads": cfg.num_kv_heads,
+                                           "head_dim": cfg.head_dim},
+                                 limits, spec.kv_cache.tokens_per_block, kv_dtype, self.ids)
+        acc = racc.summarize(res, self.ref.ppl, self.ref.top1, spec.max_ppl_increase)
+        racc.write_top1(plan_dir / racc.REFERENCE_FILE, self.ref.top1)
+        acc.update(text=self.text_name, text_sha256=self.text_sha, eval_tokens=len(self.ids),
+                   ids_sha256=racc.sha256_ids(self.ids), window=self.window,
+                   method=f"windows of {self.window} tokens, each a fresh sequence",
+                   reference="eager fp32 model of the same checkpoint",
+                   reference_top1=racc.REFERENCE_FILE, reference_cached=self.ref_cached)
+        return acc
+
+
+def calibration_runner(spec, ckpt) -> Callable[[torch.nn.Module], None]:
+    """run(model) for AWQ: the eager model over calibration text (`pydoc`: the tokens right
+    after the evaluation tokens, so calibration never sees the evaluation windows)."""
+    name = spec.accuracy.calibration_text
+    enc = encoder(ckpt.tokenizer_json)
+    if name == "pydoc":
+        ids = enc(racc.eval_text("pydoc"))
+        start = spec.accuracy.eval_tokens
+        ids = ids[start:start + CALIBRATION_TOKENS]
+        if len(ids) < 64:
+            ids = enc(racc.eval_text("pydoc"))[:CALIBRATION_TOKENS]
+    else:
+        ids = enc(name)[:CALIBRATION_TOKENS]
+    window = racc.window_size({"max_num_tokens": spec.limits.max_num_tokens,
+                               "max_seq_len": spec.limits.max_seq_len})
+
+    def run(model):
+        evaluate_eager(model, ids, window, spec.kv_cache.tokens_per_block)
+    return run

@@ -1,0 +1,204 @@
+"""The accuracy gate's measurement: perplexity and top-1 predictions of a plan's engine.
+
+The evaluation text needs no download: `pydoc` is Python's own pydoc_data/topics.py (the
+help() topics, ~750 KB of English and code), joined in sorted topic order. It is tokenized
+with the plan's tokenizer (no special tokens), cut to `eval_tokens` tokens, and split into
+windows of `window` tokens (min(max_num_tokens, max_seq_len, 512)); **each window is a fresh
+sequence** (no sliding context), so every window scores window - 1 next-token predictions.
+
+Scoring one window through the packed step, which returns logits for one row per sequence:
+the window's tokens are prefilled `max_batch_size` at a time, each token scheduled as its
+own one-token "sequence" whose block table is the window's shared table:
+
+    step j:  seq 0 = [t_p]  ctx p+1 | seq 1 = [t_p+1]  ctx p+2 | ... | seq B-1 = [t_p+B-1]
+             all with block_tables = the window's blocks
+
+The attention op writes every token's K/V into its slot before attending, so token p+i sees
+tokens 0..p+i exactly as in a causal prefill, and the step hands back B logits rows: one
+prediction per token. The KV pool is the plan's dtype, sized for one window.
+
+builder/accuracy.py computes the unquantized reference (eager fp32) on the same windows and
+gates the build; `kiln verify` re-runs the plan side here (`rerun_gate`) against the
+reference recorded in the manifest (runtime never imports the builder).
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from runtime.executor import Executor, KVLayout, ModelInput
+from runtime.plan import Plan, load_step_fn
+
+EVAL_TEXTS = ("pydoc",)
+MAX_WINDOW = 512
+REFERENCE_FILE = "accuracy/reference_top1.bin"   # int32 little-endian, one per prediction
+DRIFT_TOLERANCE = 0.02     # kiln verify: largest relative change of ppl since the build
+
+
+def eval_text(name: str) -> str:
+    """The named evaluation text (`pydoc`: Python's pydoc_data/topics.py topics)."""
+    if name != "pydoc":
+        raise ValueError(f"unknown evaluation text {name!r}; allowed: {', '.join(EVAL_TEXTS)}")
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def sha256_ids(ids: Sequence[int]) -> str:
+    return hashlib.sha256(struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
+
+
+def eval_ids(encode: Callable[[str], list[int]], text: str, n: int) -> list[int]:
+    """The first n token ids of text (ValueError if the text is shorter)."""
+    ids = encode(text)
+    if len(ids) < n:
+        raise ValueError(f"the evaluation text has {len(ids)} tokens; accuracy.eval_tokens "
+                         f"asks for {n}")
+    return ids[:n]
+
+
+def window_size(limits: dict) -> int:
+    return min(MAX_WINDOW, limits["max_num_tokens"], limits["max_seq_len"])
+
+
+def windows(ids: Sequence[int], window: int) -> list[list[int]]:
+    """Consecutive windows of `window` tokens (a last shorter one if >= 2 tokens)."""
+    out = [list(ids[i:i + window]) for i in range(0, len(ids), window)]
+    return [w for w in out if len(w) >= 2]
+
+
+@dataclass
+class EvalResult:
+    """Next-token scores over the evaluation windows."""
+    nll_sum: float          # sum of -log p(next token)
+    count: int              # predictions scored
+    top1: list[int]         # argmax prediction of each, in order
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.nll_sum / self.count)
+
+
+def score_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, list[int]]:
+    """(sum of -log p(targets), argmax ids) of logits [N, vocab]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -logp.gather(1, targets[:, None]).sum().item()
+    return nll, logp.argmax(dim=-1).tolist()
+
+
+@torch.inference_mode()
+def evaluate_step(step_fn, model_config: dict, limits: dict, tokens_per_block: int,
+                  kv_dtype: str, ids: Sequence[int]) -> EvalResult:
+    """Scores `ids` through an engine step function (see the module docstring)."""
+    W = window_size(limits)
+    B = limits["max_batch_size"]
+    blocks = -(-W // tokens_per_block)
+    layout = KVLayout(model_config["num_layers"], blocks + 1, tokens_per_block,
+                      model_config["num_kv_heads"], model_config["head_dim"], kv_dtype)
+    ex = Executor(step_fn, layout)
+    table = list(range(1, blocks + 1))           # block 0 unused
+    nll, count, top1 = 0.0, 0, []
+    for win in windows(ids, W):
+        n = len(win) - 1                         # predictions in this window
+        for p0 in range(0, n, B):
+            ps = range(p0, min(p0 + B, n))
+            inp = ModelInput.build([[win[p]] for p in ps], list(ps), [table] * len(ps),
+                                   tokens_per_block)
+            logits = ex.execute(inp)
+            s, am = score_logits(logits, torch.tensor([win[p + 1] for p in ps]))
+            nll += s
+            count += len(ps)
+            top1 += am
+    return EvalResult(nll, count, top1)
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    if len(a) != len(b) or not a:
+        raise ValueError(f"top-1 lists differ in length ({len(a)} vs {len(b)})")
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+def write_top1(path: Path, top1: Sequence[int]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack(f"<{len(top1)}i", *top1))
+
+
+def read_top1(path: Path) -> list[int]:
+    data = path.read_bytes()
+    return list(struct.unpack(f"<{len(data) // 4}i", data))
+
+
+def summarize(plan_res: EvalResult, ref_ppl: float, ref_top1: Sequence[int],
+              max_ppl_increase: float) -> dict:
+    """The manifest's accuracy numbers for a plan measured against its reference."""
+    increase = plan_res.ppl / ref_ppl - 1.0
+    return {"ppl": plan_res.ppl, "ref_ppl": ref_ppl, "ppl_increase": increase,
+            "max_ppl_increase": max_ppl_increase,
+            "top1_agreement": agreement(plan_res.top1, ref_top1),
+            "tokens": plan_res.count, "passed": increase <= max_ppl_increase}
+
+
+def describe(acc: dict) -> str:
+    return (f"ppl {acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized "
+            f"({acc['ppl_increase']:+.2%}, limit {acc['max_ppl_increase']:.2%}), top-1 "
+            f"agreement {acc['top1_agreement']:.2%} on {acc['tokens']} tokens of "
+            f"{acc.get('text', '?')}")
+
+
+def rerun_gate(plan: Plan, step_fn=None) -> dict:
+    """Re-measure the plan's ppl and top-1 agreement on the recorded evaluation tokens.
+
+    The baseline is what the build recorded: ref_ppl and the reference's top-1 predictions
+    (REFERENCE_FILE). ok = the increase is within max_ppl_increase and the plan's ppl moved
+    at most DRIFT_TOLERANCE (relative) from the build's measurement."""
+    from runtime.tokenizer import Tokenizer
+
+    m = plan.manifest
+    recorded = m.get("accuracy")
+    if not recorded:
+        raise ValueError(f"plan {plan.path} recorded no accuracy gate")
+    text = eval_text(recorded["text"])
+    if sha256_text(text) != recorded["text_sha256"]:
+        raise ValueError(f"the evaluation text {recorded['text']!r} on this machine differs "
+                         "from the build's (another Python version?); cannot compare")
+    tok = Tokenizer.from_plan(plan)
+    ids = eval_ids(lambda t: tok.encode(t, add_special_tokens=False), text,
+                   recorded["eval_tokens"])
+    if sha256_ids(ids) != recorded["ids_sha256"]:
+        raise ValueError("the evaluation tokens differ from the build's (tokenizer changed?)")
+    step_fn = step_fn or load_step_fn(plan)
+    res = evaluate_step(step_fn, plan.model_config, m["limits"],
+                        m["kv_cache"]["tokens_per_block"], m["kv_cache"]["dtype"], ids)
+    got = summarize(res, recorded["ref_ppl"], read_top1(plan.path / REFERENCE_FILE),
+                    recorded["max_ppl_increase"])
+    got["text"] = recorded["text"]
+    drift = got["ppl"] / recorded["ppl"] - 1.0
+    got["drift"] = drift
+    got["ok"] = bool(got["passed"] and abs(drift) <= DRIFT_TOLERANCE)
+    got["summary"] = describe(got) + f"; {drift:+.2%} vs the build's ppl {recorded['ppl']:.3f}"
+    if abs(drift) > DRIFT_TOLERANCE:
+        got["summary"] += f" (more than {DRIFT_TOLERANCE:.0%}: the plan changed)"
+    return got
+
+
+def gate_message(acc: dict, name: str, weights: str) -> Optional[str]:
+    """None when the gate passes, else the build's error message."""
+    if acc["passed"]:
+        return None
+    return (f"accuracy gate failed for {name} ({weights} weights): perplexity "
+            f"{acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized is "
+            f"{acc['ppl_increase']:+.2%}, above accuracy.max_ppl_increase "
+            f"{acc['max_ppl_increase']:.2%} (top-1 agreement {acc['top1_agreement']:.2%} on "
+            f"{acc['tokens']} tokens); no plan was written. Use a higher precision, AWQ "
+            "calibration (accuracy.calibration_text: pydoc) for int4, a smaller "
+            "precision.group_size, or raise accuracy.max_ppl_increase")

@@ -1,0 +1,187 @@
+"""Quantized and bf16 plans of a tiny random Llama: build (AOTInductor), gate, generate, verify.
+
+The plans are built once per session into the test-plan cache (reused while their
+fingerprint holds, like conftest's tiny_plan). Failing builds use the eager backend: they
+stop at the gate or before compiling, and the point is that nothing is written.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from builder.build import BuildError, build
+from builder.progress import Progress
+from builder.spec import SpecError, parse_spec
+from runtime.engine import Engine
+from runtime.plan import load_plan
+from runtime.sampling import SamplingParams
+from tests.conftest import TEST_PLANS
+
+pytestmark = pytest.mark.model
+
+ARCH = {"vocab_size": 384, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 512}
+PRECISIONS = {   # name -> precision section (+ accuracy extras)
+    "int8": ({"weights": "int8", "keep_high_precision": []}, {}),
+    "int4": ({"weights": "int4"}, {"calibration_text": "pydoc"}),     # AWQ, auto group_size
+    "fp8": ({"weights": "fp8"}, {}),
+    "bf16": ({"weights": "bf16"}, {}),
+}
+
+
+def tiny_spec(name: str, precision: dict, accuracy: dict | None = None,
+              backend: str = "aoti", arch: dict | None = None) -> dict:
+    return {"name": name, "model": {"source": "random", "seed": 0, "arch": arch or ARCH},
+            "target": {"device": "cpu", "backend": backend}, "precision": precision,
+            "limits": {"max_batch_size": 8, "max_seq_len": 256, "max_num_tokens": 64},
+            "kv_cache": {"tokens_per_block": 16, "memory": "8MiB"},
+            "accuracy": {"eval_tokens": 512, **(accuracy or {})}}
+
+
+def write_spec(dir: Path, data: dict) -> Path:
+    path = dir / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def quant_plans(tmp_path_factory) -> dict[str, Path]:
+    """name -> built plan dir, one per precision."""
+    specs = tmp_path_factory.mktemp("quant-specs")
+    out = {}
+    for prec, (precision, accuracy) in PRECISIONS.items():
+        path = write_spec(specs, tiny_spec(f"tiny-{prec}", precision, accuracy))
+        out[prec] = build(path, TEST_PLANS / f"tiny-{prec}", progress=Progress(enabled=False)).path
+    return out
+
+
+@pytest.mark.parametrize("prec", list(PRECISIONS))
+def test_plan_records_precision_and_accuracy(quant_plans, prec):
+    m = json.loads((quant_plans[prec] / "plan.json").read_text())
+    assert m["precision"]["weights"] == prec
+    q = m["precision"]["quantization"]
+    acc = m["accuracy"]
+    for key in ("ppl", "ref_ppl", "ppl_increase", "max_ppl_increase", "top1_agreement",
+                "tokens", "text"):
+        assert key in acc, key
+    assert acc["text"] == "pydoc" and acc["passed"] and acc["tokens"] == 512 - 512 // 64
+    assert acc["ppl_increase"] <= acc["max_ppl_increase"]
+    assert acc["max_ppl_increase"] == {"int8": 0.03, "int4": 0.15, "fp8": 0.05, "bf16": 0.01}[prec]
+    assert 0.5 < acc["top1_agreement"] <= 1.0
+    assert acc["reference_top1"] in m["files"]
+    if prec == "bf16":
+        assert q["scheme"] is None and m["engine"]["plugins"] == ["paged_kv"]
+        return
+    assert q["scheme"] == prec and "quant" in m["engine"]["plugins"]
+    assert any(k.endswith(".so") and "quant" in k for k in m["engine"]["kernels"])
+    assert m["check"]["max_logit_diff"] <= m["check"]["tolerance"]
+    if prec == "int4":
+        assert q["group_size"] == 64 and q["group_size_source"] == "auto"   # K in {64, 128}
+        assert q["method"] == "awq" and q["awq_alpha"]
+        assert q["kept"] == ["embed", "lm_head"] and q["embedding"] == "float"
+    if prec == "int8":
+        assert q["embedding"] == "int8-per-row" and "output" in q["quantized"]
+    if prec == "fp8":
+        assert q["fp8_compute"] == "upcast-fp32"
+
+
+@pytest.mark.parametrize("prec", list(PRECISIONS))
+def test_plan_generates(quant_plans, prec):
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with Engine.from_plan(load_plan(quant_plans[prec])) as eng:
+        outs = eng.generate([[5, 6, 7, 8], list(range(40, 100))], greedy)
+    assert [len(o.token_ids) for o in outs] == [8, 8]
+
+
+def test_rerun_gate_matches_the_build(quant_plans):
+    from runtime.accuracy import rerun_gate
+    from runtime.verify import verify_plan
+
+    plan = load_plan(quant_plans["int8"])
+    got = rerun_gate(plan)
+    assert got["ok"] and abs(got["drift"]) < 1e-3
+    assert got["ppl"] == pytest.approx(plan.manifest["accuracy"]["ppl"], rel=1e-3)
+    report = verify_plan(plan)
+    assert report.ok and "accuracy: passed" in report.text
+
+
+def test_inspect_shows_accuracy(quant_plans):
+    from runtime.inspect import describe
+
+    m = json.loads((quant_plans["int4"] / "plan.json").read_text())
+    line = [l for l in describe(m).splitlines() if l.startswith("accuracy")][0]
+    assert "unquantized" in line and "top-1 agreement" in line and "limit 15.00%" in line
+
+
+def test_reference_is_cached(tmp_path, monkeypatch):
+    from builder.accuracy import Gate
+    from builder.sources import open_checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spec = parse_spec(yaml.safe_dump(tiny_spec("t", {"weights": "int8"}, backend="eager")))
+    ckpt = open_checkpoint(spec.model)
+    g1 = Gate(spec, ckpt)
+    g1.compute_reference()
+    g2 = Gate(spec, ckpt)
+    g2.compute_reference()
+    assert not g1.ref_cached and g2.ref_cached
+    assert g2.ref.top1 == g1.ref.top1 and g2.ref.ppl == pytest.approx(g1.ref.ppl)
+    assert len(list((tmp_path / "cache" / "kiln" / "accuracy").glob("*.json"))) == 1
+
+
+def test_gate_fails_the_build_and_writes_nothing(tmp_path):
+    spec = write_spec(tmp_path, tiny_spec("tiny-int4-strict", {"weights": "int4"},
+                                          {"max_ppl_increase": 0.0}, backend="eager"))
+    out = tmp_path / "plans" / "tiny-int4-strict"
+    with pytest.raises(BuildError, match=r"accuracy gate failed .*int4 weights.*above "
+                                         r"accuracy.max_ppl_increase 0.00%.*no plan was written"):
+        build(spec, out, progress=Progress(enabled=False))
+    assert not out.exists()
+    assert list((tmp_path / "plans").iterdir()) == []        # no temporary directory left
+
+
+def test_group_size_that_does_not_divide_names_setting_and_layer(tmp_path):
+    arch = dict(ARCH, hidden_size=96, intermediate_size=192, num_attention_heads=3,
+                num_key_value_heads=1)    # K = 96 or 192: 64 divides neither
+    spec = write_spec(tmp_path, tiny_spec("bad-group", {"weights": "int4", "group_size": 64},
+                                          backend="eager", arch=arch))
+    out = tmp_path / "plans" / "bad-group"
+    with pytest.raises(SpecError, match=r"precision.group_size: layers.0.attention.wqkv: int4 "
+                                        r"group_size 64 does not divide .*K=96"):
+        build(spec, out, progress=Progress(enabled=False))
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("precision,path,message", [
+    ({"weights": "int3"}, "precision.weights", "'int3' is not allowed"),
+    ({"weights": "fp16"}, "precision.weights", "not built by this version"),
+    ({"weights": "int8", "group_size": 64}, "precision.group_size", "int4 weights only"),
+    ({"weights": "int4", "group_size": 48}, "precision.group_size", "48"),
+    ({"weights": "fp8", "activations": "fp8"}, "precision.activations",
+     "fp8 activations need a GPU with FP8"),
+    ({"weights": "int8", "kv_cache": "int8"}, "precision.kv_cache", "quantized KV cache"),
+    ({"weights": "int8", "kv_cache": "fp8"}, "precision.kv_cache", "not built"),
+])
+def test_bad_precision_settings_are_named(precision, path, message):
+    with pytest.raises(SpecError) as e:
+        parse_spec(yaml.safe_dump(tiny_spec("bad", precision)))
+    assert any(p == path and message in m for p, m in e.value.problems), e.value.problems
+
+
+def test_calibration_text_is_int4_only():
+    with pytest.raises(SpecError, match=r"accuracy.calibration_text: AWQ-style calibration "
+                                        r"applies to int4"):
+        parse_spec(yaml.safe_dump(tiny_spec("bad", {"weights": "int8"},
+                                            {"calibration_text": "pydoc"})))
+
+
+def test_fp32_plans_skip_the_gate_unless_asked():
+    spec = parse_spec(yaml.safe_dump(tiny_spec("a", {"weights": "fp32"})))
+    assert spec.max_ppl_increase is None
+    spec = parse_spec(yaml.safe_dump(tiny_spec("a", {"weights": "fp32"},
+                                               {"max_ppl_increase": 0.001})))
+    assert spec.max_ppl_increase == 0.001

@@ -191,7 +191,8 @@ def test_unknown_model_and_bad_requests_in_a_stream(kiln_server):
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
         reqs = [raw_request(good(max_tokens=0)), raw_request(good(), model="nope"),
-                raw_request(good(max_tokens=6, stream=("BOOL", [1, 1], [True]))),
+                raw_request(good(max_tokens=12, stream=("BOOL", [1, 1], [True]),
+                                 min_length=("INT32", [1, 1], [12]))),  # no early eos
                 raw_request(good(max_tokens=6))]          # stream absent: one final response
         for i, r in enumerate(reqs):
             r.id = str(i)

@@ -132,6 +132,9 @@ def serve(
     auth_token: Optional[str] = typer.Option(None, "--auth-token",
                                              help="require 'authorization: Bearer TOKEN'"),
     auth_token_file: Optional[Path] = typer.Option(None, "--auth-token-file"),
+    http_port: Optional[int] = typer.Option(None, "--http-port",
+                                            help="also serve the OpenAI-compatible HTTP API "
+                                                 "(/v1/completions, /v1/chat/completions) here"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
@@ -147,7 +150,7 @@ def serve(
                       model_name=model_name, max_batch_size=max_batch_size,
                       max_num_tokens=max_num_tokens, max_queue=max_queue,
                       drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
-                      auth_token=auth_token)
+                      auth_token=auth_token, http_port=http_port)
     try:
         code = run(cfg)
     except ServeError as e:

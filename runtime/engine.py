@@ -29,7 +29,7 @@ from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfi
                                        SchedulerOutput, Sequence, SequenceStatus, StepOutput)
 from runtime.executor import Executor, ModelInput
 from runtime.plan import Plan, load_plan
-from runtime.sampling import Sampler, SamplingParams, SamplingState
+from runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln.runtime")
@@ -110,6 +110,7 @@ class RequestOutput:
     timings: Timings
     stop_reason: Any = None              # the stop token id or stop string, if any
     error: Optional[str] = None          # what went wrong (finish_reason == "error")
+    logprobs: Optional[list[TokenLogprobs]] = None  # one per token_ids entry, when asked for
 
 
 @dataclass
@@ -124,6 +125,7 @@ class RequestResult:
     timings: Timings
     stop_reason: Any = None
     error: Optional[str] = None
+    logprobs: Optional[list[TokenLogprobs]] = None
 
 
 class RequestStream:
@@ -211,7 +213,8 @@ def _gather(stream: RequestStream, outs: list[RequestOutput]) -> RequestResult:
     return RequestResult(stream.request_id, stream.prompt_token_ids,
                          [t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
                          last.finish_reason, last.usage, last.timings, last.stop_reason,
-                         last.error)
+                         last.error, [lp for o in outs for lp in o.logprobs or ()]
+                         if any(o.logprobs for o in outs) else None)
 
 
 class _Request:
@@ -223,6 +226,12 @@ class _Request:
         self.arrival = seq.arrival_time
         self.first_token: Optional[float] = None
         self.last_token: Optional[float] = None
+
+
+@dataclass
+class SampledOutput(StepOutput):
+    """StepOutput plus the logprobs of the sampled tokens of requests that asked for them."""
+    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # request_id ->
 
 
 class ModelRunner:
@@ -263,7 +272,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
         if out.is_empty:
-            return StepOutput([])
+            return SampledOutput([])
         logits = self.executor.execute(self.prepare(out))            # [B, vocab]
         rows = [i for i, s in enumerate(out.sample) if s]
         sampled: list[Optional[int]] = [None] * len(out.seqs)
@@ -274,7 +283,14 @@ class ModelRunner:
                                 [s.num_prompt_tokens for s in seqs])
             for i, t in zip(rows, toks):
                 sampled[i] = t
-        return StepOutput(sampled)
+            asked = [j for j, s in enumerate(seqs) if s.params.params.logprobs is not None]
+            if asked:   # only requests that ask pay for a log_softmax
+                lps = self.sampler.logprobs(logits[[rows[j] for j in asked]],
+                                            [toks[j] for j in asked],
+                                            [seqs[j].params.params.logprobs for j in asked])
+                return SampledOutput(sampled, {seqs[j].request_id: lp
+                                               for j, lp in zip(asked, lps)})
+        return SampledOutput(sampled)
 
 
 class Engine:
@@ -332,7 +348,8 @@ class Engine:
         self.peak_blocks_used = max(self.peak_blocks_used, self.scheduler.pool.num_blocks
                                     - self.scheduler.pool.num_free_blocks)
         now = time.monotonic()
-        return [self._emit(self._requests[seq.request_id], now)
+        lps = getattr(step, "logprobs", None) or {}
+        return [self._emit(self._requests[seq.request_id], now, lps.get(seq.request_id))
                 for seq in self.scheduler.update(sched, step)]
 
     def run_pending(self) -> None:
@@ -442,7 +459,8 @@ class Engine:
         return [results[i] if i in results else s.result() for i, s in enumerate(streams)]
 
     # ---- outputs ------------------------------------------------------------------------------
-    def _emit(self, req: _Request, now: float) -> RequestOutput:
+    def _emit(self, req: _Request, now: float,
+              logprobs: Optional[TokenLogprobs] = None) -> RequestOutput:
         seq = req.seq
         if req.first_token is None:
             req.first_token = now
@@ -457,6 +475,8 @@ class Engine:
         else:
             out = self._output(req, [tok], text + req.detok.flush(), seq.status.value)
             self._retire(req)
+        if logprobs is not None:
+            out = dataclasses.replace(out, logprobs=[logprobs])
         req.stream._put(out)
         return out
 

@@ -20,6 +20,17 @@ from typing import Optional, Sequence
 
 import torch
 
+MAX_LOGPROBS = 20   # top alternatives per token a request may ask for
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One sampled token's log-probability under the model (the raw logits, before penalties,
+    masks and temperature) and the most likely alternatives, most likely first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()      # (token id, logprob) x params.logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -41,6 +52,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()      # never generate these words (as token sequences)
     bad_token_ids: tuple[int, ...] = ()  # never generate these tokens
     skip_special_tokens: bool = True     # in the output text
+    logprobs: Optional[int] = None       # per output token: its logprob and the top-N
+    #                                      alternatives (0: the chosen token only); None: off
 
     def __post_init__(self):
         for name in ("stop", "bad_words"):
@@ -79,6 +92,9 @@ class SamplingParams:
                 bad(name, "must be non-negative integers")
         if not all(isinstance(s, str) and s for s in self.bad_words):
             bad("bad_words", "must be non-empty strings")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -165,6 +181,19 @@ class Sampler:
         if any(greedy):
             tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
         return tokens.tolist()
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]
+                 ) -> list[TokenLogprobs]:
+        """logits [R, vocab] (raw) of the rows that asked, their sampled tokens and how many
+        alternatives each wants -> one TokenLogprobs per row."""
+        lsm = torch.log_softmax(logits.float(), dim=-1)                       # [R, vocab]
+        chosen = lsm.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        k = max(top_n)
+        top_v, top_i = (lsm.topk(k, dim=-1) if k else (lsm[:, :0], lsm[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        return [TokenLogprobs(t, lp, tuple(zip(top_i[r][:n], top_v[r][:n])))
+                for r, (t, lp, n) in enumerate(zip(tokens, chosen, top_n))]
 
     @staticmethod
     def _penalize(logits, P, token_ids, num_prompt_tokens) -> None:

@@ -55,6 +55,7 @@ class ServeConfig:
     tls_cert: Optional[Path] = None
     tls_key: Optional[Path] = None
     auth_token: Optional[str] = None
+    http_port: Optional[int] = None          # the OpenAI-compatible HTTP API; None: off
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -152,6 +153,15 @@ async def serve(cfg: ServeConfig) -> int:
     if not bound:
         raise ServeError(f"cannot listen on {address} (in use?)")
     await server.start()
+    http = None
+    if cfg.http_port is not None:   # same loop, same Frontend (engine, metrics, drain)
+        from runtime.server.openai_http import HttpServer
+        http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
+        try:
+            await http.start(cfg.host, cfg.http_port)
+        except Exception:
+            await server.stop(0)
+            raise
     if cfg.metrics_port is not None:
         fe.metrics.serve(cfg.host, cfg.metrics_port)
 
@@ -167,6 +177,8 @@ async def serve(cfg: ServeConfig) -> int:
                        return_when=asyncio.FIRST_COMPLETED)
     if not load.done():     # stopped while loading
         await server.stop(0)
+        if http is not None:
+            await http.stop()
         try:
             (await load)[0].shutdown()
         except Exception:
@@ -176,6 +188,8 @@ async def serve(cfg: ServeConfig) -> int:
         engine, plan = load.result()
     except Exception as e:
         await server.stop(0)
+        if http is not None:
+            await http.stop()
         raise ServeError(f"cannot load the plan: {e}") from e
     fe.set_ready(engine, plan)
     for svc in ("", KSERVE, NATIVE):
@@ -187,6 +201,8 @@ async def serve(cfg: ServeConfig) -> int:
 
     await stop.wait()
     await drain(fe, server, health_svc, cfg.drain_seconds)
+    if http is not None:    # drained with the gRPC server: refused new work, then stopped
+        await http.stop()
     engine.shutdown()
     log.info("stopped")
     return 0

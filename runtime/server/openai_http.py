@@ -1,0 +1,316 @@
+"""The OpenAI-compatible HTTP API of `kiln serve --http-port`: FastAPI on uvicorn, a task on
+the gRPC server's event loop, submitting through the same Frontend (one engine, one KV pool,
+the same metrics, the same drain).
+
+    POST /v1/completions, /v1/chat/completions   (JSON, or server-sent events with stream)
+    GET  /v1/models, /v1/models/{model}, /health, /metrics
+
+Every request of n choices is n engine requests of one prompt: the prefix cache shares the
+prompt's blocks. A request ends with its HTTP exchange: a client that disconnects (mid-stream
+or while waiting for a whole completion) has its engine requests cancelled and their KV
+blocks freed before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+from typing import AsyncIterator, Callable, Optional
+
+import grpc
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.engine import RequestOutput
+from runtime.server.errors import ServiceError
+from runtime.server.frontend import Frontend
+from runtime.server.openai_protocol import (FINISH, ChoiceState, Job, OpenAIError, chunk_json,
+                                            envelope, final_json, invalid, parse_chat,
+                                            parse_completion, usage_json)
+
+log = logging.getLogger("kiln.server.http")
+
+# gRPC status of a refused submission -> (HTTP status, OpenAI error type, code)
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_value"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "queue_full"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable", "unavailable"),
+}
+
+
+def _from_service(e: ServiceError) -> OpenAIError:
+    status, kind, code = _STATUS.get(e.code, (500, "server_error", "internal_error"))
+    return OpenAIError(status, e.message, kind, None, code)
+
+
+def _failed(out: RequestOutput) -> OpenAIError:
+    """A request that ended without a completion (cancelled by the drain, or an engine error)."""
+    if out.finish_reason == "cancelled":
+        return OpenAIError(503, "the server is shutting down; the request was cancelled",
+                           "service_unavailable", None, "cancelled")
+    return OpenAIError(500, f"generation failed: {out.error or out.finish_reason}",
+                       "server_error", None, "generation_failed")
+
+
+def _event(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _merged(outputs: list[AsyncIterator[RequestOutput]]
+                  ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) from several requests as they arrive."""
+    if len(outputs) == 1:
+        async for out in outputs[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, it):
+        async for out in it:
+            q.put_nowait((i, out))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(outputs)]
+    try:
+        left = len(outputs)
+        while left:
+            i, out = await q.get()
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone away."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIApp:
+    """The routes, over one Frontend."""
+
+    def __init__(self, fe: Frontend, auth_token: Optional[str] = None):
+        self.fe = fe
+        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self.app = self._build()
+
+    # ---- wiring ------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None)
+        auth = [Depends(self._auth)]
+        app.add_exception_handler(OpenAIError, _error_response)
+        app.add_exception_handler(StarletteHTTPException, _http_error)
+        app.add_exception_handler(Exception, _internal_error)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
+        app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"],
+                          dependencies=auth)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"],
+                          dependencies=auth)
+        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"],
+                          dependencies=auth)
+        return app
+
+    async def _auth(self, request: Request) -> None:
+        if self._expected is None:
+            return
+        got = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(got, self._expected):
+            raise OpenAIError(401, "missing or wrong bearer token (header 'Authorization: "
+                              "Bearer <token>', the token of --auth-token)",
+                              "authentication_error", None, "invalid_api_key")
+
+    def _ready(self) -> None:
+        try:
+            self.fe.check_ready()
+        except ServiceError as e:
+            raise _from_service(e)
+
+    def _check_model(self, model) -> None:
+        if isinstance(model, str) and model != self.fe.model_name:
+            raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
+                              f"{self.fe.model_name!r}", "invalid_request_error", "model",
+                              "model_not_found")
+
+    @property
+    def _fingerprint(self) -> str:
+        return "fp_" + self.fe.plan.fingerprint[:12]
+
+    # ---- routes ------------------------------------------------------------------------------
+    async def health(self):
+        self._ready()
+        return {"status": "ok"}
+
+    async def metrics(self):
+        return Response(generate_latest(self.fe.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict:
+        return {"id": self.fe.model_name, "object": "model", "created": int(self.fe.started),
+                "owned_by": "kiln"}
+
+    async def models(self):
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str):
+        self._check_model(model)
+        return self._model_card()
+
+    async def completions(self, request: Request):
+        return await self._generate(request, lambda body, tok: parse_completion(body, tok))
+
+    async def chat(self, request: Request):
+        return await self._generate(request, lambda body, tok: parse_chat(
+            body, tok, self.fe.engine.config.max_seq_len))
+
+    # ---- generation --------------------------------------------------------------------------
+    async def _generate(self, request: Request, parse: Callable) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise invalid(f"the request body is not valid JSON: {e}", None, "invalid_json")
+        if not isinstance(body, dict):
+            raise invalid("the request body must be a JSON object", None, "invalid_json")
+        self._ready()
+        self._check_model(body.get("model"))
+        job: Job = parse(body, self.fe.engine.tokenizer)
+        if job.stream:
+            events = self._events(job)
+            await events.__anext__()     # submitted (or refused: an error response)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+        whole = asyncio.ensure_future(self._whole(job))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({whole, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not whole.done():        # the client went away: cancel its requests
+                whole.cancel()
+                await asyncio.gather(whole, return_exceptions=True)
+        if whole.cancelled():
+            return Response(status_code=499)
+        return JSONResponse(whole.result())
+
+    async def _submit(self, stack: contextlib.AsyncExitStack, job: Job
+                      ) -> list[AsyncIterator[RequestOutput]]:
+        """One engine request per choice; a refusal cancels those already submitted."""
+        outputs = []
+        for ids, params in job.choices:
+            try:
+                _, outs = await stack.enter_async_context(self.fe.request(ids, params))
+            except ServiceError as e:
+                raise _from_service(e)
+            outputs.append(outs)
+        return outputs
+
+    async def _whole(self, job: Job) -> dict:
+        async with contextlib.AsyncExitStack() as stack:
+            outputs = await self._submit(stack, job)
+            states = [ChoiceState() for _ in outputs]
+            async for i, out in _merged(outputs):
+                states[i].add(out)
+                if out.finished and out.finish_reason not in FINISH:
+                    raise _failed(out)
+        return final_json(job, states, self.fe.engine.tokenizer, job.model, self._fingerprint)
+
+    async def _events(self, job: Job) -> AsyncIterator[str]:
+        """Server-sent events; the first item (empty) marks a successful submission."""
+        async with contextlib.AsyncExitStack() as stack:
+            outputs = await self._submit(stack, job)
+            yield ""
+            tok = self.fe.engine.tokenizer
+            base = envelope(job, job.model, self._fingerprint, chunk=True)
+            states = [ChoiceState() for _ in outputs]
+            async for i, out in _merged(outputs):
+                if out.finished and out.finish_reason not in FINISH:
+                    yield _event(_failed(out).body())
+                    return
+                chunk = chunk_json(job, i, states[i], out, tok, base)
+                if chunk is not None:
+                    yield _event(chunk)
+            if job.include_usage:
+                yield _event({**base, "choices": [],
+                              "usage": usage_json([s.usage for s in states], job.n)})
+            yield "data: [DONE]\n\n"
+
+
+async def _error_response(request: Request, e: OpenAIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+    msg = (f"unknown path {request.url.path}" if e.status_code == 404 else str(e.detail))
+    return JSONResponse(OpenAIError(e.status_code, msg, kind).body(), status_code=e.status_code)
+
+
+async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+    log.exception("HTTP request failed")
+    return JSONResponse(OpenAIError(500, f"{type(e).__name__}: {e}", "server_error").body(),
+                        status_code=500)
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """kiln serve owns SIGTERM/SIGINT (they start its drain), not uvicorn."""
+        yield
+
+
+class HttpServer:
+    """uvicorn serving OpenAIApp as a task on the running loop."""
+
+    def __init__(self, fe: Frontend, auth_token: Optional[str] = None,
+                 tls_cert=None, tls_key=None):
+        self.app = OpenAIApp(fe, auth_token).app
+        self.tls = (str(tls_cert), str(tls_key)) if tls_cert else None
+        self._server: Optional[_Uvicorn] = None
+        self._task: Optional[asyncio.Task] = None
+
+    async def start(self, host: str, port: int) -> None:
+        """Bind and start serving; a port that cannot be bound is a ServeError."""
+        from runtime.server.app import ServeError
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            sock.close()
+            raise ServeError(f"cannot listen on {host}:{port} for HTTP ({e.strerror})")
+        sock.listen(2048)
+        config = uvicorn.Config(self.app, lifespan="off", log_level="warning",
+                                access_log=False, timeout_graceful_shutdown=3,
+                                ssl_certfile=self.tls[0] if self.tls else None,
+                                ssl_keyfile=self.tls[1] if self.tls else None)
+        self._server = _Uvicorn(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started and not self._task.done():
+            await asyncio.sleep(0.01)
+        if self._task.done():
+            self._task.result()
+            raise ServeError(f"the HTTP server on {host}:{port} did not start")
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if self.tls else "http",
+                 host, port)
+
+    async def stop(self) -> None:
+        """Stop accepting, close connections (after the drain, none is busy)."""
+        if self._server is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, 10)
+        except (asyncio.TimeoutError, Exception):
+            log.warning("the HTTP server did not stop cleanly", exc_info=True)

@@ -1,0 +1,436 @@
+"""The OpenAI API's requests and responses, for the HTTP frontend (openai_http.py).
+
+A request body is checked in three passes, each refusal a 400 that names the parameter:
+
+    body --refused parameters (tools, response_format, ...)--> --pydantic (types, unknown
+    fields)--> --SamplingParams (ranges)--> Job: one (prompt token ids, SamplingParams) per
+    choice, prompt after prompt, n choices each
+
+Parameters Kiln cannot honour are refused, never ignored; `user` and a few bookkeeping fields
+(metadata, store=false, service_tier, safety_identifier, prompt_cache_key) are accepted and
+have no effect on the output. Logprobs are of the raw model distribution (before penalties
+and temperature).
+"""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from runtime.engine import RequestOutput, Usage
+from runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from runtime.tokenizer import Tokenizer
+
+MAX_N = 64   # choices per prompt
+
+
+class OpenAIError(Exception):
+    """An error answered as {"error": {message, type, param, code}} with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (status, message, type,
+                                                                       param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def invalid(message: str, param: Optional[str] = None,
+            code: Optional[str] = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+# ---- parameters Kiln refuses, each with the value that means "not used" ------------------------
+def _off(v) -> bool:
+    return v is None or v is False or v == [] or v == {} or v == ""
+
+
+REFUSED: dict[str, tuple[Any, str]] = {
+    # name: (test of a value that is harmless, why it is refused)
+    "tools": (_off, "tool calling is not supported"),
+    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
+    "functions": (_off, "function calling is not supported"),
+    "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "structured output (json_object, json_schema) is not supported"),
+    "logit_bias": (_off, "logit_bias is not supported"),
+    "audio": (_off, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
+    "prediction": (_off, "predicted outputs are not supported"),
+    "reasoning_effort": (_off, "reasoning_effort is not supported"),
+    "verbosity": (_off, "verbosity is not supported"),
+    "web_search_options": (_off, "web search is not supported"),
+    "best_of": (lambda v: v in (None, 1), "best_of > 1 is not supported; use n"),
+    "suffix": (_off, "suffix (insertion) is not supported"),
+    "echo": (_off, "echo is not supported"),
+    "store": (_off, "storing completions is not supported"),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: Optional[bool] = None
+    continuous_usage_stats: Optional[bool] = None   # vLLM: usage on every chunk
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
+    # accepted, no effect on the output (bookkeeping of OpenAI's platform)
+    metadata: Optional[dict[str, str]] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None     # Kiln's prefix cache needs no key
+    parallel_tool_calls: Optional[bool] = None  # meaningless without tools (refused)
+    # Kiln (and vLLM) extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+
+
+class CompletionBody(_Common):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Optional[int] = None
+
+
+class ChatBody(_Common):
+    messages: list[dict]
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+
+
+@dataclass
+class Job:
+    """A validated request: its choices, each (prompt ids, params), prompt after prompt."""
+    kind: Literal["completion", "chat"]
+    model: str
+    choices: list[tuple[list[int], SamplingParams]]
+    prompts: list[list[int]]          # distinct prompts (usage counts each once)
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    logprobs: bool
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _validate(model: type[BaseModel], body: dict) -> Any:
+    for name, (harmless, why) in REFUSED.items():
+        if name in body and not harmless(body[name]):
+            raise invalid(f"{name}: {why} by Kiln", name, "unsupported_parameter")
+    try:   # what is left of the refused parameters is harmless: not used
+        return model.model_validate({k: v for k, v in body.items() if k not in REFUSED})
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = str(err["loc"][0]) if err["loc"] else None
+        if err["type"] == "extra_forbidden":
+            raise invalid(f"unknown parameter {param!r}: Kiln does not support it", param,
+                          "unknown_parameter")
+        if err["type"] == "missing":
+            raise invalid(f"missing required parameter {param!r}", param, "missing_parameter")
+        raise invalid(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500], param)
+
+
+_SP_FIELD = re.compile(r"SamplingParams\.(\w+)")
+
+
+def _params(b: _Common, max_tokens: Optional[int], logprobs: Optional[int],
+            renames: dict[str, str]) -> SamplingParams:
+    if b.temperature is not None and not 0 <= b.temperature <= 2:
+        raise invalid(f"temperature must be in [0, 2] (got {b.temperature})", "temperature")
+    kw = {k: getattr(b, k) for k in ("temperature", "top_p", "presence_penalty",
+                                     "frequency_penalty", "seed", "top_k", "min_p",
+                                     "repetition_penalty", "min_tokens", "ignore_eos",
+                                     "skip_special_tokens", "include_stop_str_in_output")
+          if getattr(b, k) is not None}
+    kw.update(max_tokens=max_tokens, logprobs=logprobs,
+              stop=b.stop or (), stop_token_ids=tuple(b.stop_token_ids or ()))
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        m = _SP_FIELD.search(str(e))
+        name = m.group(1) if m else None
+        name = renames.get(name, name)
+        msg = _SP_FIELD.sub(lambda _: name or "", str(e))
+        raise invalid(msg, name)
+
+
+def _n(b: _Common) -> int:
+    n = 1 if b.n is None else b.n
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"n must be in [1, {MAX_N}] (got {n})", "n")
+    return n
+
+
+def _choices(prompts: list[list[int]], n: int, params: SamplingParams
+             ) -> list[tuple[list[int], SamplingParams]]:
+    """n choices per prompt; a seeded request gives choice i the seed + i (distinct choices,
+    each reproducible)."""
+    out = []
+    for ids in prompts:
+        for i in range(n):
+            p = params
+            if p.seed is not None and i:
+                p = SamplingParams(**{**_fields(p), "seed": p.seed + i})
+            out.append((ids, p))
+    return out
+
+
+def _fields(p: SamplingParams) -> dict:
+    from dataclasses import fields
+    return {f.name: getattr(p, f.name) for f in fields(p)}
+
+
+def _stream_flags(b: _Common) -> tuple[bool, bool, bool]:
+    stream = bool(b.stream)
+    if b.stream_options is not None and not stream:
+        raise invalid("stream_options is only allowed with stream: true", "stream_options")
+    so = b.stream_options or StreamOptions()
+    return stream, bool(so.include_usage), bool(so.continuous_usage_stats)
+
+
+def parse_completion(body: dict, tok: Tokenizer) -> Job:
+    b: CompletionBody = _validate(CompletionBody, body)
+    p = b.prompt
+    if isinstance(p, str):
+        prompts = [tok.encode(p)]
+    elif not p:
+        raise invalid("prompt is empty", "prompt")
+    elif isinstance(p[0], str):
+        prompts = [tok.encode(x) for x in p]
+    elif isinstance(p[0], int):
+        prompts = [list(p)]
+    else:
+        prompts = [list(x) for x in p]
+    if b.logprobs is not None and not 0 <= b.logprobs <= MAX_LOGPROBS:
+        raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {b.logprobs})", "logprobs")
+    params = _params(b, 16 if b.max_tokens is None else b.max_tokens, b.logprobs, {})
+    n = _n(b)
+    stream, usage, cont = _stream_flags(b)
+    return Job("completion", b.model, _choices(prompts, n, params), prompts, n, stream, usage,
+               cont, b.logprobs is not None)
+
+
+def chat_messages(raw: list) -> list[dict]:
+    """OpenAI chat messages -> the template's {role, content[, name]} dicts."""
+    if not raw:
+        raise invalid("messages is empty", "messages")
+    out = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise invalid(f"{where} must be an object", where)
+        for k in m:
+            if k in ("tool_calls", "function_call", "tool_call_id", "audio", "refusal") \
+                    and not _off(m[k]):
+                raise invalid(f"{where}.{k}: tool and function calling are not supported by "
+                              "Kiln", f"{where}.{k}", "unsupported_parameter")
+            if k not in ("role", "content", "name", "tool_calls", "function_call",
+                         "tool_call_id", "audio", "refusal"):
+                raise invalid(f"unknown parameter {where}.{k}", f"{where}.{k}",
+                              "unknown_parameter")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise invalid(f"{where}.role {role!r}: Kiln supports system, developer, user and "
+                          "assistant messages (no tool messages)", f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise invalid(f"{where}.content[{j}]: only text parts are supported "
+                                  f"(got {kind!r})", f"{where}.content[{j}]",
+                                  "unsupported_parameter")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise invalid(f"{where}.content must be a string or a list of text parts",
+                          f"{where}.content")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> Job:
+    b: ChatBody = _validate(ChatBody, body)
+    messages = chat_messages(b.messages)
+    if not tok.chat_template:
+        raise invalid("this model's plan has no chat template; use /v1/completions",
+                      "messages", "no_chat_template")
+    try:
+        ids = tok.apply_chat_template(messages, tokenize=True)
+    except Exception as e:   # the template's raise_exception, or a rendering error
+        raise invalid(f"the chat template refused the messages: {e}", "messages")
+    if (b.max_tokens is not None and b.max_completion_tokens is not None
+            and b.max_tokens != b.max_completion_tokens):
+        raise invalid("give max_completion_tokens or max_tokens, not two different values",
+                      "max_completion_tokens")
+    max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None else b.max_tokens
+    renames = {"max_tokens": "max_completion_tokens" if b.max_completion_tokens is not None
+               else "max_tokens", "logprobs": "top_logprobs"}
+    if max_tokens is None:      # OpenAI's default: as long as the context allows
+        max_tokens = max(1, max_seq_len - len(ids))
+    if b.top_logprobs is not None and not b.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    top = b.top_logprobs or 0
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {top})",
+                      "top_logprobs")
+    params = _params(b, max_tokens, top if b.logprobs else None, renames)
+    n = _n(b)
+    stream, usage, cont = _stream_flags(b)
+    return Job("chat", b.model, _choices([ids], n, params), [ids], n, stream, usage, cont,
+               bool(b.logprobs))
+
+
+# ---- responses ---------------------------------------------------------------------------------
+FINISH = {"stop": "stop", "length": "length"}
+
+
+def usage_json(usages: list[Optional[Usage]], n: int) -> dict:
+    """usages: one per choice (prompt after prompt, n each). The prompt is counted once per
+    prompt (with the cached tokens of its first choice); completions are summed."""
+    prompt = cached = completion = 0
+    for i, u in enumerate(usages):
+        if u is None:
+            continue
+        if i % n == 0:
+            prompt += u.prompt_tokens
+            cached += u.cached_tokens
+        completion += u.completion_tokens
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _token(tok: Tokenizer, token_id: int) -> str:
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprobs], offset: int) -> dict:
+    """The legacy completions format; offset = chars of text before these tokens."""
+    tokens, offsets = [], []
+    for lp in lps:
+        t = _token(tok, lp.token_id)
+        tokens.append(t)
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{_token(tok, i): v for i, v in lp.top} for lp in lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict:
+    def entry(token_id, logprob):
+        t = _token(tok, token_id)
+        return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps],
+            "refusal": None}
+
+
+class ChoiceState:
+    """What has been sent of one choice (streaming) or gathered (not streaming)."""
+
+    def __init__(self):
+        self.text = ""
+        self.logprobs: list[TokenLogprobs] = []
+        self.finish_reason: Optional[str] = None
+        self.usage: Optional[Usage] = None
+        self.started = False     # chat: the role delta went out
+
+    def add(self, out: RequestOutput) -> tuple[str, list[TokenLogprobs]]:
+        offset = len(self.text)
+        self.text += out.text
+        new = list(out.logprobs or ())
+        self.logprobs += new
+        self.usage = out.usage
+        if out.finished:
+            self.finish_reason = FINISH.get(out.finish_reason, out.finish_reason)
+        return self.text[offset:], new
+
+
+def envelope(job: Job, model: str, fingerprint: str, chunk: bool) -> dict:
+    if job.kind == "completion":
+        return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
+                "model": model, "system_fingerprint": fingerprint}
+    return {"id": f"chatcmpl-{job.id}",
+            "object": "chat.completion.chunk" if chunk else "chat.completion",
+            "created": job.created, "model": model, "system_fingerprint": fingerprint}
+
+
+def final_json(job: Job, states: list[ChoiceState], tok: Tokenizer, model: str,
+               fingerprint: str) -> dict:
+    choices = []
+    for i, st in enumerate(states):
+        if job.kind == "completion":
+            choices.append({"index": i, "text": st.text, "finish_reason": st.finish_reason,
+                            "logprobs": completion_logprobs(tok, st.logprobs, 0)
+                            if job.logprobs else None})
+        else:
+            choices.append({"index": i, "message": {"role": "assistant", "content": st.text,
+                                                    "refusal": None},
+                            "finish_reason": st.finish_reason,
+                            "logprobs": chat_logprobs(tok, st.logprobs) if job.logprobs
+                            else None})
+    return {**envelope(job, model, fingerprint, False), "choices": choices,
+            "usage": usage_json([s.usage for s in states], job.n)}
+
+
+def chunk_json(job: Job, index: int, st: ChoiceState, out: RequestOutput, tok: Tokenizer,
+               base: dict) -> Optional[dict]:
+    """The SSE chunk for one output of choice `index` (None when there is nothing to say)."""
+    offset = len(st.text)
+    text, lps = st.add(out)
+    finish = st.finish_reason if out.finished else None
+    if not text and not lps and finish is None and (job.kind == "completion" or st.started):
+        return None
+    if job.kind == "completion":
+        choice = {"index": index, "text": text, "finish_reason": finish,
+                  "logprobs": completion_logprobs(tok, lps, offset) if job.logprobs else None}
+    else:
+        delta: dict = {}
+        if not st.started:
+            delta["role"] = "assistant"
+            st.started = True
+        if text or "role" in delta:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "finish_reason": finish,
+                  "logprobs": chat_logprobs(tok, lps) if job.logprobs and lps else None}
+    chunk = {**base, "choices": [choice]}
+    if job.include_usage:
+        chunk["usage"] = (usage_json([out.usage], 1) if job.continuous_usage else None)
+    return chunk

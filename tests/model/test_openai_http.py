@@ -1,0 +1,311 @@
+"""`kiln serve --http-port`: the OpenAI-compatible HTTP API, end to end with the unmodified
+`openai` SDK against a real server subprocess of the tiny plan (given a chat template), checked
+against the native kiln.v1 gRPC API of the same process."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import signal
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from runtime.server.client import stream_generate
+from tests.server_helpers import ServerProcess, free_port
+
+pytestmark = pytest.mark.model
+
+MODEL = "tiny-random"
+TOKEN = "s3cret"
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}"
+            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_plan(tiny_plan, tmp_path_factory):
+    """A copy of the tiny plan whose generation.json has a chat template (manifest updated)."""
+    d = tmp_path_factory.mktemp("plan") / "tiny-chat"
+    shutil.copytree(tiny_plan, d)
+    gen = json.loads((d / "generation.json").read_text())
+    gen["chat_template"] = TEMPLATE
+    data = json.dumps(gen, indent=2).encode()
+    (d / "generation.json").write_bytes(data)
+    manifest = json.loads((d / "plan.json").read_text())
+    manifest["files"]["generation.json"] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                            "size": len(data)}
+    (d / "plan.json").write_text(json.dumps(manifest, indent=2))
+    return d
+
+
+class HttpServer(ServerProcess):
+    def __init__(self, plan, *args, log_path=None):
+        self.http_port = free_port()
+        super().__init__(plan, "--http-port", str(self.http_port), *args, log_path=log_path)
+        self.base = f"http://127.0.0.1:{self.http_port}"
+
+    def client(self, key=TOKEN, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, **kw)
+
+    def aclient(self, key=TOKEN, **kw) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, **kw)
+
+    def http_metrics(self) -> dict[str, float]:
+        text = urllib.request.urlopen(self.base + "/metrics", timeout=5).read().decode()
+        return {n: float(v) for n, v in (ln.rsplit(" ", 1) for ln in text.splitlines()
+                                         if ln.startswith("kiln_") and "{" not in ln)}
+
+
+@pytest.fixture(scope="module")
+def server(chat_plan, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    s = HttpServer(chat_plan, "--auth-token", TOKEN, "--drain-seconds", "5", log_path=log)
+    try:
+        yield s.wait_serving()
+    finally:
+        assert s.terminate() == 0, s.log()
+
+
+def native(server, prompt, max_tokens, chat=False) -> str:
+    return "".join(stream_generate(server.url, prompt, max_tokens, chat=chat, token=TOKEN))
+
+
+# ---- the same greedy text as kiln.v1 ---------------------------------------------------------
+def test_completions_match_native_grpc(server):
+    c = server.client()
+    prompt = "the quick brown fox"
+    want = native(server, prompt, 24)
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want and r.object == "text_completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+    assert r.system_fingerprint.startswith("fp_")
+
+    chunks = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+
+def test_chat_matches_native_grpc_and_counts_cached_tokens(server):
+    c = server.client()
+    msgs = [{"role": "system", "content": "you are terse " * 8},
+            {"role": "user", "content": "name three colours"}]
+    want = native(server, "name three colours", 20, chat=True)   # one user message
+    r = c.chat.completions.create(model=MODEL, max_completion_tokens=20, temperature=0,
+                                  messages=[{"role": "user", "content": "name three colours"}])
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    assert r.object == "chat.completion"
+
+    first = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    again = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens == again.usage.prompt_tokens > 48
+    # the prompt's full blocks (16 tokens each) come from the prefix cache the second time
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 * ((again.usage.prompt_tokens - 1) // 16) - 16 and cached > 0
+
+    stream = c.chat.completions.create(model=MODEL, max_tokens=20, temperature=0, stream=True,
+                                       messages=[{"role": "user", "content": "name three "
+                                                  "colours"}],
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_n_choices_stop_seed_penalties_logprobs(server):
+    c = server.client()
+    r = c.completions.create(model=MODEL, prompt="hello there", max_tokens=12, n=3,
+                             temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5,
+                             frequency_penalty=0.3, user="u1")
+    again = c.completions.create(model=MODEL, prompt="hello there", max_tokens=12, n=3,
+                                 temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5,
+                                 frequency_penalty=0.3)
+    assert [x.index for x in r.choices] == [0, 1, 2]
+    assert [x.text for x in r.choices] == [x.text for x in again.choices]   # seeded
+    assert r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == again.usage.prompt_tokens   # counted once, not n times
+
+    greedy = c.completions.create(model=MODEL, prompt="hello there", max_tokens=16,
+                                  temperature=0).choices[0].text
+    stop = greedy[len(greedy) // 2:][:3]
+    assert stop.strip()
+    cut = c.completions.create(model=MODEL, prompt="hello there", max_tokens=16, temperature=0,
+                               stop=[stop, "\x00never"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == greedy[:greedy.index(stop)]
+
+    lp = c.completions.create(model=MODEL, prompt="hello there", max_tokens=6, temperature=0,
+                              logprobs=3).choices[0].logprobs
+    assert len(lp.token_logprobs) == 6 and len(lp.top_logprobs) == 6
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) <= 3 and max(top.values()) == pytest.approx(v, abs=1e-5)
+
+    ch = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                   max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+                                   n=2)
+    for choice in ch.choices:
+        content = choice.logprobs.content
+        assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+        assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-5)
+                   for t in content)
+    assert ch.choices[0].message.content == ch.choices[1].message.content   # greedy
+
+
+def test_models_health_metrics(server):
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    assert c.models.retrieve(MODEL).owned_by == "kiln"
+    assert httpx.get(server.base + "/health").json() == {"status": "ok"}
+    m = server.http_metrics()
+    assert m["kiln_ready"] == 1 and m["kiln_kv_blocks_total"] > 0
+    assert m["kiln_kv_blocks_total"] == server.metrics()["kiln_kv_blocks_total"]
+
+
+# ---- errors, as the SDK's exceptions ----------------------------------------------------------
+def test_errors_in_openai_format(server):
+    c = server.client()
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.AuthenticationError) as e:
+        server.client(key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    with pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
+    assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("gpt-4o")
+
+    refused = [dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+               dict(tool_choice="required"),
+               dict(response_format={"type": "json_object"}),
+               dict(logit_bias={"5": 10}),
+               dict(modalities=["text", "audio"])]
+    for kw in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, **kw)
+        (name,) = kw
+        assert e.value.param == name and name in e.value.message, e.value.body
+        assert e.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as e:   # unknown fields are named too
+        c.chat.completions.create(model=MODEL, messages=hi, max_tokens=2,
+                                  extra_body={"frobnicate": 1})
+    assert e.value.param == "frobnicate" and "frobnicate" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url",
+                                          "image_url": {"url": "http://x/y.png"}}]}])
+    assert e.value.param == "messages[0].content[0]"
+    for kw, param in ((dict(temperature=7), "temperature"), (dict(max_tokens=0), "max_tokens"),
+                      (dict(max_tokens=100000), None), (dict(n=0), "n")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="x", **{"max_tokens": 2, **kw})
+        assert e.value.param == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True)
+    assert e.value.param == "echo"
+    r = httpx.post(server.base + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert httpx.get(server.base + "/v1/nothing").json()["error"]["message"]
+
+
+def test_32_streaming_chats_a_quarter_closed_early_free_all_blocks(server):
+    """Streams closed by their client are cancelled and free their blocks (KV metrics)."""
+    async def one(c, i):
+        stream = await c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"story {i} " * (i % 7 + 1)}],
+            max_tokens=120, temperature=0.7, seed=i, stream=True,
+            extra_body={"ignore_eos": True})
+        got = 0
+        async for ch in stream:
+            got += bool(ch.choices and ch.choices[0].delta.content)
+            if i % 4 == 0 and got >= 3:
+                await stream.close()      # the client goes away mid-stream
+                return "closed"
+        return ch.choices[0].finish_reason
+
+    async def main():
+        async with server.aclient(http_client=openai.DefaultAsyncHttpxClient(
+                limits=httpx.Limits(max_connections=64))) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    assert results.count("closed") == 8 and results.count("length") == 24, results
+    deadline = time.monotonic() + 10
+    while True:
+        m = server.http_metrics()
+        if m["kiln_kv_blocks_used"] == 0 and m["kiln_requests_in_flight"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    assert m["kiln_running_requests"] == 0 and m["kiln_queue_length"] == 0
+
+
+def test_non_streamed_request_of_a_gone_client_is_cancelled(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", timeout=0.3,
+                   headers={"Authorization": f"Bearer {TOKEN}"},
+                   json={"model": MODEL, "prompt": "long", "max_tokens": 240, "n": 8,
+                         "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while (m := server.http_metrics())["kiln_requests_in_flight"] or m["kiln_kv_blocks_used"]:
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+
+
+# ---- a full queue (429) and a draining server (503) ------------------------------------------
+def test_full_queue_is_429_and_draining_is_503(chat_plan, tmp_path):
+    # one running, one waiting: five more are refused at once (429); SIGTERM then makes the
+    # server refuse new requests (503) while the two accepted ones finish (drain), then exit 0
+    s = HttpServer(chat_plan, "--max-batch-size", "1", "--max-queue", "1", "--drain-seconds",
+                   "5", log_path=tmp_path / "serve.log")
+    try:
+        s.wait_serving()
+
+        async def one(c, i):
+            try:
+                r = await c.completions.create(model=MODEL, prompt=f"r{i}", max_tokens=250,
+                                               temperature=0, extra_body={"ignore_eos": True})
+                return r.choices[0].finish_reason
+            except openai.RateLimitError as e:
+                assert e.status_code == 429 and e.code == "queue_full", e.body
+                return "429"
+
+        async def until(metric, value):
+            while s.http_metrics().get(metric) != value:
+                await asyncio.sleep(0.002)
+
+        async def main():
+            async with s.aclient() as c:
+                accepted = [asyncio.ensure_future(one(c, 0))]
+                await until("kiln_running_requests", 1)
+                accepted.append(asyncio.ensure_future(one(c, 1)))
+                await until("kiln_queue_length", 1)
+                flood = await asyncio.gather(*(one(c, i) for i in range(2, 7)))
+                s.proc.send_signal(signal.SIGTERM)
+                async with httpx.AsyncClient() as h:
+                    while (health := await h.get(s.base + "/health")).status_code == 200:
+                        await asyncio.sleep(0.002)
+                assert health.status_code == 503
+                with pytest.raises(openai.InternalServerError) as e:
+                    await c.completions.create(model=MODEL, prompt="late", max_tokens=2)
+                assert e.value.status_code == 503 and "shutting down" in e.value.message
+                return flood, await asyncio.gather(*accepted)
+
+        flood, done = asyncio.run(main())
+        assert flood == ["429"] * 5 and done == ["length"] * 2
+        assert s.proc.wait(30) == 0, s.log()
+    finally:
+        s.terminate()

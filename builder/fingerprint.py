@@ -39,6 +39,12 @@ def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = No
     tools = tools or toolchain()
     target = target or build_target(spec)
     spec_data = spec.canonical()
+    # Where a local checkpoint lives is not an input (its bytes are, via the weights digest):
+    # moving a checkout or a model directory must not rebuild its plans.
+    for key in ("source", "tokenizer"):
+        value = spec_data["model"].get(key)
+        if value and value != "random" and "://" not in value:
+            spec_data["model"][key] = "local"
     return {
         "spec": hashlib.sha256(json.dumps(spec_data, sort_keys=True).encode()).hexdigest(),
         "weights": weights_digest,

@@ -177,3 +177,10 @@ def test_cli_inspect(tiny_plan):
     r = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(tiny_plan), "--json"],
                        capture_output=True, text=True, check=True)
     assert json.loads(r.stdout)["name"] == "tiny-random"
+
+
+def test_fingerprint_ignores_where_a_local_checkpoint_lives():
+    a = parse_spec("name: m\nmodel: {source: /data/a/model.gguf}\n")
+    b = parse_spec("name: m\nmodel: {source: /elsewhere/model.gguf}\n")
+    assert fingerprint(fingerprint_inputs(a, "w" * 64)) == fingerprint(fingerprint_inputs(b, "w" * 64))
+    assert fingerprint(fingerprint_inputs(a, "w" * 64)) != fingerprint(fingerprint_inputs(a, "v" * 64))

@@ -45,6 +45,9 @@ _STATUS = {
 }
 
 
+_OUTCOME = {400: "invalid", 404: "not_found", 503: "unavailable"}
+
+
 def _from_service(e: ServiceError) -> OpenAIError:
     status, kind, code = _STATUS.get(e.code, (500, "server_error", "internal_error"))
     return OpenAIError(status, e.message, kind, None, code)
@@ -73,14 +76,19 @@ async def _merged(outputs: list[AsyncIterator[RequestOutput]]
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, it):
-        async for out in it:
-            q.put_nowait((i, out))
+        try:
+            async for out in it:
+                q.put_nowait((i, out))
+        except Exception as e:      # handed to the reader, which raises it
+            q.put_nowait((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(outputs)]
     try:
         left = len(outputs)
         while left:
             i, out = await q.get()
+            if isinstance(out, Exception):
+                raise out
             left -= out.finished
             yield i, out
     finally:
@@ -180,9 +188,13 @@ class OpenAIApp:
             raise invalid(f"the request body is not valid JSON: {e}", None, "invalid_json")
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object", None, "invalid_json")
-        self._ready()
-        self._check_model(body.get("model"))
-        job: Job = parse(body, self.fe.engine.tokenizer)
+        try:
+            self._ready()
+            self._check_model(body.get("model"))
+            job: Job = parse(body, self.fe.engine.tokenizer)
+        except OpenAIError as e:    # counted as the gRPC services count their refusals
+            self.fe.metrics.refused(_OUTCOME.get(e.status, "invalid"))
+            raise
         if job.stream:
             events = self._events(job)
             await events.__anext__()     # submitted (or refused: an error response)

@@ -54,6 +54,29 @@ def check_spec_against_model(spec: Spec, cfg) -> None:
         raise SpecError(spec.name, problems)
 
 
+def check_build_machine(spec: Spec) -> None:
+    """AOTInductor compiles for the device it runs on: a GPU plan needs that GPU here."""
+    if not spec.target.is_gpu:
+        return
+    import torch
+
+    want = spec.target.compute_capability
+    if not torch.cuda.is_available():
+        raise BuildError(f"target.device {spec.target.device!r} ({want}) is compiled on a machine "
+                         "with that GPU (AOTInductor generates code for the device it runs on); "
+                         "this machine has no CUDA GPU. Build this spec on a "
+                         f"{spec.target.device} runner, or set target.device: cpu.")
+    major, minor = torch.cuda.get_device_capability()
+    if f"sm_{major}{minor}" != want:
+        raise BuildError(f"target.device {spec.target.device!r} needs compute capability {want}; "
+                         f"this machine's GPU is sm_{major}{minor} "
+                         f"({torch.cuda.get_device_name()}). Build on a {spec.target.device} "
+                         "runner, or change target.device.")
+    raise BuildError(f"target.device {spec.target.device!r}: this version of kiln builds CPU "
+                     "plans only; CUDA kernels for paged attention and quantized linears are "
+                     "not built yet. Set target.device: cpu.")
+
+
 def plan_fingerprint(spec: Spec, ckpt) -> tuple[str, dict]:
     from builder.fingerprint import fingerprint, fingerprint_inputs
 
@@ -94,6 +117,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
                            time.perf_counter() - t0, manifest)
     from builder.sources import open_checkpoint
 
+    check_build_machine(spec)
     ckpt = open_checkpoint(spec.model)
     check_spec_against_model(spec, ckpt.config)
     fp, fp_inputs = plan_fingerprint(spec, ckpt)

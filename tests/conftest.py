@@ -83,3 +83,15 @@ def smollm2_hf(smollm2_gguf):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, dtype=torch.float32, **kw)
     return tok, model.eval()
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip cleanly where there is no CUDA device."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu tier)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -184,3 +184,14 @@ def test_fingerprint_ignores_where_a_local_checkpoint_lives():
     b = parse_spec("name: m\nmodel: {source: /elsewhere/model.gguf}\n")
     assert fingerprint(fingerprint_inputs(a, "w" * 64)) == fingerprint(fingerprint_inputs(b, "w" * 64))
     assert fingerprint(fingerprint_inputs(a, "w" * 64)) != fingerprint(fingerprint_inputs(a, "v" * 64))
+
+
+def test_gpu_target_without_gpu_is_a_clear_error(tmp_path):
+    spec = tmp_path / "s.yaml"
+    text = (ROOT / "model_specs" / "tiny-random.yaml").read_text()
+    spec.write_text(text.replace("device: cpu", "device: h100"))
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "build", str(spec),
+                        "--out", str(tmp_path / "p")], capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "target.device 'h100'" in r.stderr
+    assert not (tmp_path / "p").exists()

@@ -13,6 +13,7 @@ and temperature).
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 import uuid
@@ -198,14 +199,9 @@ def _choices(prompts: list[list[int]], n: int, params: SamplingParams
         for i in range(n):
             p = params
             if p.seed is not None and i:
-                p = SamplingParams(**{**_fields(p), "seed": p.seed + i})
+                p = dataclasses.replace(p, seed=p.seed + i)
             out.append((ids, p))
     return out
-
-
-def _fields(p: SamplingParams) -> dict:
-    from dataclasses import fields
-    return {f.name: getattr(p, f.name) for f in fields(p)}
 
 
 def _stream_flags(b: _Common) -> tuple[bool, bool, bool]:

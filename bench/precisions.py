@@ -1,0 +1,129 @@
+"""SmolLM2-135M plans at fp32, bf16, fp8, int8 and int4, side by side (README "Precisions").
+
+    python bench/precisions.py [--rounds 7] [--threads 1 2] [--build]
+
+Per plan: size on disk, perplexity on the accuracy gate's pydoc tokens and its increase over
+the fp32 model, top-1 agreement (both from plan.json: what the build's gate measured), then
+engine step time through each plan's Executor:
+  batch 1:  one decode token with 128 tokens of context
+  batch 32: 32 sequences decoding one token each, 128 tokens of context each
+Each round runs every plan once in turn (interleaved, so drift in machine load hits all alike);
+medians over rounds. --build builds missing plans first (model_specs/smollm2-135m-*-cpu.yaml).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from runtime.executor import Executor, KVLayout, ModelInput   # noqa: E402
+from runtime.plan import load_plan, load_step_fn              # noqa: E402
+
+PRECISIONS = ("fp32", "bf16", "fp8", "int8", "int4")
+CONTEXT = 128
+
+
+def plan_dir(prec: str) -> Path:
+    return ROOT / "plans" / ("smollm2-135m-cpu" if prec == "fp32" else f"smollm2-135m-{prec}-cpu")
+
+
+def spec_path(prec: str) -> Path:
+    return ROOT / "model_specs" / ("smollm2-135m-cpu.yaml" if prec == "fp32"
+                                   else f"smollm2-135m-{prec}-cpu.yaml")
+
+
+class Runner:
+    """A plan's engine with a small KV pool and the two batches, prefilled once."""
+
+    def __init__(self, path: Path, batch: int = 32):
+        self.plan = load_plan(path)
+        m = self.plan.manifest
+        cfg, bs = m["model"]["config"], m["kv_cache"]["tokens_per_block"]
+        per_seq = -(-(CONTEXT + 1) // bs)
+        layout = KVLayout(cfg["num_layers"], batch * per_seq + 1, bs, cfg["num_kv_heads"],
+                          cfg["head_dim"], m["kv_cache"]["dtype"])
+        self.ex = Executor(load_step_fn(self.plan), layout)
+        g = torch.Generator().manual_seed(0)
+        self.tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
+        step = m["limits"]["max_num_tokens"]
+        for i, table in enumerate(self.tables):            # prefill CONTEXT tokens per seq
+            toks = torch.randint(0, cfg["vocab_size"], (CONTEXT,), generator=g).tolist()
+            for s in range(0, CONTEXT, step):
+                self.ex.execute(ModelInput.build([toks[s:s + step]], [s], [table], bs))
+        self.batches = {n: ModelInput.build([[7 + i] for i in range(n)], [CONTEXT] * n,
+                                            self.tables[:n], bs) for n in (1, batch)}
+
+    def time_step(self, n: int, reps: int) -> float:
+        inp = self.batches[n]
+        self.ex.execute(inp)
+        t = time.perf_counter()
+        for _ in range(reps):
+            self.ex.execute(inp)
+        return (time.perf_counter() - t) / reps
+
+
+def plan_row(prec: str) -> dict:
+    m = json.loads((plan_dir(prec) / "plan.json").read_text())
+    acc = m.get("accuracy") or {}
+    return {"size": sum(f["size"] for f in m["files"].values()),
+            "ppl": acc.get("ppl"), "ppl_increase": acc.get("ppl_increase"),
+            "top1": acc.get("top1_agreement"), "ref_ppl": acc.get("ref_ppl")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
+    ap.add_argument("--build", action="store_true", help="build missing plans first")
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args()
+    if args.build:
+        from builder.build import build
+        for p in args.precisions:
+            build(spec_path(p), plan_dir(p))
+    rows = {p: plan_row(p) for p in args.precisions}
+    ref = next((r["ref_ppl"] for r in rows.values() if r["ref_ppl"]), None)
+    if "fp32" in rows and ref:
+        rows["fp32"].update(ppl=ref, ppl_increase=0.0, top1=1.0)
+    runners = {p: Runner(plan_dir(p)) for p in args.precisions}
+    for th in args.threads:
+        torch.set_num_threads(th)
+        times = {(p, n): [] for p in runners for n in (1, 32)}
+        for _ in range(args.rounds):
+            for p, r in runners.items():
+                times[(p, 1)].append(r.time_step(1, reps=5))
+                times[(p, 32)].append(r.time_step(32, reps=2))
+        for p in runners:
+            rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
+            rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
+    base = rows.get("fp32")
+    head = ["precision", "plan size", "x fp32", "ppl", "increase", "top-1"]
+    for th in args.threads:
+        head += [f"b1 ms ({th}t)", "x fp32", f"b32 tok/s ({th}t)", "x fp32"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for p, r in rows.items():
+        ratio = lambda k, inv=False: (f"{(base[k] / r[k] if inv else r[k] / base[k]):.2f}"
+                                      if base else "-")
+        cells = [p, f"{r['size'] / 2**20:.0f} MiB", ratio("size"),
+                 f"{r['ppl']:.3f}" if r["ppl"] else "-",
+                 f"{r['ppl_increase']:+.2%}" if r["ppl_increase"] is not None else "-",
+                 f"{r['top1']:.1%}" if r["top1"] is not None else "-"]
+        for th in args.threads:
+            cells += [f"{r[f'b1_ms_t{th}']:.1f}", ratio(f"b1_ms_t{th}"),
+                      f"{r[f'b32_tok_s_t{th}']:.0f}", ratio(f"b32_tok_s_t{th}")]
+        print("| " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""SmolLM2-135M plans at int8, int4 and fp8: each builds (AOTInductor), passes its accuracy
+gate on 20480 pydoc tokens, and answers the golden prompt.
+
+The plans go where `kiln build model_specs/smollm2-135m-<p>-cpu.yaml` puts them (plans/), so
+bench/precisions.py and the README share them; the fp32 reference is computed once per
+checkpoint (~/.cache/kiln/accuracy) and shared by the three builds. About 5 minutes a build
+on two shared cores.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from builder.build import build
+from builder.progress import Progress
+from runtime.engine import Engine
+from runtime.plan import load_plan
+from runtime.sampling import SamplingParams
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module", params=["int8", "int4", "fp8"])
+def quant_plan(request, smollm2_gguf):
+    p = request.param
+    return p, build(ROOT / "model_specs" / f"smollm2-135m-{p}-cpu.yaml",
+                    ROOT / "plans" / f"smollm2-135m-{p}-cpu", progress=Progress(enabled=False)).path
+
+
+def test_builds_and_passes_its_gate(quant_plan):
+    prec, path = quant_plan
+    m = json.loads((path / "plan.json").read_text())
+    acc = m["accuracy"]
+    assert m["precision"]["weights"] == prec and "quant" in m["engine"]["plugins"]
+    assert acc["passed"] and acc["tokens"] >= 20000 and acc["text"] == "pydoc"
+    assert acc["ppl_increase"] <= acc["max_ppl_increase"]
+    assert acc["top1_agreement"] >= {"int8": 0.9, "fp8": 0.85, "int4": 0.7}[prec]
+    assert 5 < acc["ref_ppl"] < 100                      # a healthy fp32 reference
+
+
+def test_answers_the_golden_prompt(quant_plan):
+    prec, path = quant_plan
+    with Engine.from_plan(load_plan(path)) as eng:
+        res = eng.submit([{"role": "user", "content": "What is the capital of France?"}],
+                         SamplingParams(max_tokens=16, temperature=0.0)).result()
+    assert res.token_ids and not res.error
+    if prec != "int4":
+        assert "Paris" in res.text, res.text

@@ -70,6 +70,10 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
     T = min(max(B, 8), max_num_tokens) if max_num_tokens >= 2 else 1
     num_blocks = max(4, 2 * B)
     inp = sample_input(T, B, tokens_per_block)
+    # Logit rows have their own dim N (<= max_num_tokens): the engine asks for one row per
+    # sequence, the accuracy gate for every position of a window in one step.
+    N = min(3, T)
+    inp.logits_indices = torch.arange(T - N, T, dtype=torch.int64)
     layout = KVLayout(cfg.num_layers, num_blocks, tokens_per_block, cfg.num_kv_heads,
                       cfg.head_dim)
     shape = (layout.num_blocks, tokens_per_block, cfg.num_kv_heads, cfg.head_dim)
@@ -81,12 +85,13 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
     nb_dim = Dim("num_blocks", min=2, max=1 << 24)
     per_tok = {0: t_dim} if t_dim is not None else None
     per_seq = {0: b_dim} if b_dim is not None else None
+    n_dim = _dim("N", 1, max_num_tokens)
     dynamic_shapes = (
         per_tok, per_tok, per_tok,
         {k: v for k, v in ((0, b_dim), (1, mb_dim)) if v is not None} or None,
         per_seq,
         {0: b_dim + 1} if b_dim is not None else None,
-        per_seq,
+        {0: n_dim} if n_dim is not None else None,
         [{0: nb_dim}] * cfg.num_layers,
         [{0: nb_dim}] * cfg.num_layers,
     )

@@ -101,7 +101,6 @@ def evaluate_step(step_fn, model_config: dict, limits: dict, tokens_per_block: i
                   kv_dtype: str, ids: Sequence[int]) -> EvalResult:
     """Scores `ids` through an engine step function (see the module docstring)."""
     W = window_size(limits)
-    B = limits["max_batch_size"]
     blocks = -(-W // tokens_per_block)
     layout = KVLayout(model_config["num_layers"], blocks + 1, tokens_per_block,
                       model_config["num_kv_heads"], model_config["head_dim"], kv_dtype)
@@ -110,15 +109,13 @@ def evaluate_step(step_fn, model_config: dict, limits: dict, tokens_per_block: i
     nll, count, top1 = 0.0, 0, []
     for win in windows(ids, W):
         n = len(win) - 1                         # predictions in this window
-        for p0 in range(0, n, B):
-            ps = range(p0, min(p0 + B, n))
-            inp = ModelInput.build([[win[p]] for p in ps], list(ps), [table] * len(ps),
-                                   tokens_per_block)
-            logits = ex.execute(inp)
-            s, am = score_logits(logits, torch.tensor([win[p + 1] for p in ps]))
-            nll += s
-            count += len(ps)
-            top1 += am
+        inp = ModelInput.build([win], [0], [table], tokens_per_block)
+        inp.logits_indices = torch.arange(n, dtype=torch.int64)  # every position but the last
+        logits = ex.execute(inp)                 # [n, vocab]: one step per window
+        s, am = score_logits(logits, torch.tensor(win[1:]))
+        nll += s
+        count += n
+        top1 += am
     return EvalResult(nll, count, top1)
 
 

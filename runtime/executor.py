@@ -75,7 +75,8 @@ class ModelInput:
     block_tables: torch.Tensor     # [B, max_blocks] int32
     context_lens: torch.Tensor     # [B] int32  KV length of each sequence after this step
     query_start_loc: torch.Tensor  # [B+1] int32
-    logits_indices: torch.Tensor   # [B] int64  last scheduled token of each sequence
+    logits_indices: torch.Tensor   # [N] int64  rows whose logits are wanted (the engine: the
+                                   #            last scheduled token of each sequence)
 
     @classmethod
     def build(cls, token_ids: Sequence[Sequence[int]], starts: Sequence[int],

@@ -232,7 +232,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens,
                 query_start_loc, logits_indices, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """-> logits [B, vocab] float32 for the rows in logits_indices."""
+        """-> logits [N, vocab] float32 for the N rows in logits_indices."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]             # [T, 1, D]
         s = StepInputs(positions, slot_mapping, block_tables, context_lens, query_start_loc,
@@ -240,7 +240,7 @@ class LlamaModel(nn.Module):
         x = self.tok_embeddings(input_ids)                              # [T, hidden]
         for layer, kc, vc in zip(self.layers, k_caches, v_caches):
             x = layer(x, s, kc, vc)
-        x = self.norm(x[logits_indices])                                # [B, hidden]
+        x = self.norm(x[logits_indices])                                # [N, hidden]
         return self.lm_head(x).float()
 
 

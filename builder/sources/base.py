@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -28,3 +28,17 @@ class Checkpoint:
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Our parameter names and tensors (already fused/unpermuted), streamed one at a time."""
         return self._stream(dtype)
+
+
+def build_mapped(plan: Iterable, read: Callable[[str], torch.Tensor], config: LlamaConfig,
+                 where: object, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our (name, tensor) pairs from a source's mapping plan (builder/arch/llama_loader.py),
+    one at a time; a transform's ValueError becomes a CheckpointError naming `where`."""
+    for m in plan:
+        try:
+            t = m.build(read, config)
+        except CheckpointError:
+            raise
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        yield m.target, t.to(dtype)

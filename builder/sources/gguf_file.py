@@ -15,7 +15,7 @@ import torch
 
 from builder.arch.llama import LlamaConfig
 from builder.arch.llama_loader import MappingError, plan_mapping
-from builder.sources.base import Checkpoint, CheckpointError
+from builder.sources.base import Checkpoint, CheckpointError, build_mapped
 from builder.sources.digest import file_sha256
 from builder.sources.tokenizer_build import from_gguf_vocab
 
@@ -147,14 +147,8 @@ def open_gguf(path: Path) -> Checkpoint:
     qname = _quant_name(meta, reader.tensors)
 
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        for m in plan:
-            try:
-                t = m.build(lambda n: _dequantize(tensors[n], path), config)
-            except CheckpointError:
-                raise
-            except ValueError as e:
-                raise CheckpointError(f"{path}: {e}") from None
-            yield m.target, t.to(dtype)
+        yield from build_mapped(plan, lambda n: _dequantize(tensors[n], path), config, path,
+                                dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=file_sha256(path), source_desc=f"gguf {path} ({qname})",

@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 
 from builder.arch.llama import LlamaConfig
 from builder.arch.llama_loader import MappingError, plan_mapping
-from builder.sources.base import Checkpoint, CheckpointError
+from builder.sources.base import Checkpoint, CheckpointError, build_mapped
 from builder.sources.digest import files_sha256
 
 INDEX = "model.safetensors.index.json"
@@ -150,14 +150,7 @@ def open_hf_dir(root: Path) -> Checkpoint:
                     raise CheckpointError(f"{root / shard}: cannot read tensor {name}: "
                                           f"{e}") from None
 
-            for m in plan:
-                try:
-                    t = m.build(read, config)
-                except CheckpointError:
-                    raise
-                except ValueError as e:
-                    raise CheckpointError(f"{root}: {e}") from None
-                yield m.target, t.to(dtype)
+            yield from build_mapped(plan, read, config, root, dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=files_sha256(root, read_files),

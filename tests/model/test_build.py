@@ -140,12 +140,16 @@ def test_bad_spec_exits_2(tmp_path):
     assert "limits.max_batch" in r.stderr and "unknown key" in r.stderr
 
 
-def test_max_seq_len_beyond_model_context(tmp_path):
+def build_edited_tiny_spec(tmp_path, old: str, new: str) -> subprocess.CompletedProcess:
+    """`kiln build` of the tiny spec with one edit, into tmp_path/p."""
     spec = tmp_path / "s.yaml"
-    text = (ROOT / "model_specs" / "tiny-random.yaml").read_text()
-    spec.write_text(text.replace("max_seq_len: 256", "max_seq_len: 4096"))
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", "build", str(spec),
-                        "--out", str(tmp_path / "p")], capture_output=True, text=True)
+    spec.write_text((ROOT / "model_specs" / "tiny-random.yaml").read_text().replace(old, new))
+    return subprocess.run([sys.executable, "-m", "kiln.cli", "build", str(spec),
+                           "--out", str(tmp_path / "p")], capture_output=True, text=True)
+
+
+def test_max_seq_len_beyond_model_context(tmp_path):
+    r = build_edited_tiny_spec(tmp_path, "max_seq_len: 256", "max_seq_len: 4096")
     assert r.returncode == 2
     assert "limits.max_seq_len" in r.stderr and "beyond the model's context of 512" in r.stderr
 
@@ -187,11 +191,7 @@ def test_fingerprint_ignores_where_a_local_checkpoint_lives():
 
 
 def test_gpu_target_without_gpu_is_a_clear_error(tmp_path):
-    spec = tmp_path / "s.yaml"
-    text = (ROOT / "model_specs" / "tiny-random.yaml").read_text()
-    spec.write_text(text.replace("device: cpu", "device: h100"))
-    r = subprocess.run([sys.executable, "-m", "kiln.cli", "build", str(spec),
-                        "--out", str(tmp_path / "p")], capture_output=True, text=True)
+    r = build_edited_tiny_spec(tmp_path, "device: cpu", "device: h100")
     assert r.returncode == 1
     assert "target.device 'h100'" in r.stderr
     assert not (tmp_path / "p").exists()

@@ -1,12 +1,15 @@
 """SmolLM2-135M plans at fp32, bf16, fp8, int8 and int4, side by side (README "Precisions").
 
-    python bench/precisions.py [--rounds 7] [--threads 1 2] [--build]
+    python bench/precisions.py [--rounds 7] [--threads 1 2] [--context 128] [--build]
+        [--precisions fp32 bf16 fp8 int8 int4 int8-kv8 fp8-kv8]
 
-Per plan: size on disk, perplexity on the accuracy gate's pydoc tokens and its increase over
-the fp32 model, top-1 agreement (both from plan.json: what the build's gate measured), then
-engine step time through each plan's Executor:
-  batch 1:  one decode token with 128 tokens of context
-  batch 32: 32 sequences decoding one token each, 128 tokens of context each
+A precision name is a plan: `fp32` is plans/smollm2-135m-cpu, any other `X` is
+plans/smollm2-135m-X-cpu (`int8-kv8`: int8 weights and an int8 KV cache).
+Per plan: size on disk, KV cache dtype and the tokens one GiB of pool holds, perplexity on the
+accuracy gate's pydoc tokens and its increase over the fp32 model, top-1 agreement (both from
+plan.json: what the build's gate measured), then engine step time through each plan's Executor:
+  batch 1:  one decode token with --context tokens of context
+  batch 32: 32 sequences decoding one token each, --context tokens of context each
 Each round runs every plan once in turn (interleaved, so drift in machine load hits all alike);
 medians over rounds. --build builds missing plans first (model_specs/smollm2-135m-*-cpu.yaml).
 """
@@ -23,11 +26,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from plugins.paged_kv import kv_format                         # noqa: E402
 from runtime.executor import Executor, KVLayout, ModelInput   # noqa: E402
 from runtime.plan import load_plan, load_step_fn              # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8", "int8", "int4")
-CONTEXT = 128
 
 
 def plan_dir(prec: str) -> Path:
@@ -42,22 +45,22 @@ def spec_path(prec: str) -> Path:
 class Runner:
     """A plan's engine with a small KV pool and the two batches, prefilled once."""
 
-    def __init__(self, path: Path, batch: int = 32):
+    def __init__(self, path: Path, context: int, batch: int = 32):
         self.plan = load_plan(path)
         m = self.plan.manifest
         cfg, bs = m["model"]["config"], m["kv_cache"]["tokens_per_block"]
-        per_seq = -(-(CONTEXT + 1) // bs)
+        per_seq = -(-(context + 1) // bs)
         layout = KVLayout(cfg["num_layers"], batch * per_seq + 1, bs, cfg["num_kv_heads"],
                           cfg["head_dim"], m["kv_cache"]["dtype"])
         self.ex = Executor(load_step_fn(self.plan), layout)
         g = torch.Generator().manual_seed(0)
         self.tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
         step = m["limits"]["max_num_tokens"]
-        for i, table in enumerate(self.tables):            # prefill CONTEXT tokens per seq
-            toks = torch.randint(0, cfg["vocab_size"], (CONTEXT,), generator=g).tolist()
-            for s in range(0, CONTEXT, step):
+        for i, table in enumerate(self.tables):            # prefill `context` tokens per seq
+            toks = torch.randint(0, cfg["vocab_size"], (context,), generator=g).tolist()
+            for s in range(0, context, step):
                 self.ex.execute(ModelInput.build([toks[s:s + step]], [s], [table], bs))
-        self.batches = {n: ModelInput.build([[7 + i] for i in range(n)], [CONTEXT] * n,
+        self.batches = {n: ModelInput.build([[7 + i] for i in range(n)], [context] * n,
                                             self.tables[:n], bs) for n in (1, batch)}
 
     def time_step(self, n: int, reps: int) -> float:
@@ -72,7 +75,11 @@ class Runner:
 def plan_row(prec: str) -> dict:
     m = json.loads((plan_dir(prec) / "plan.json").read_text())
     acc = m.get("accuracy") or {}
-    return {"size": sum(f["size"] for f in m["files"].values()),
+    cfg, kv = m["model"]["config"], m["kv_cache"]["dtype"]
+    per_tok = kv_format.bytes_per_token(kv, cfg["num_layers"], cfg["num_kv_heads"],
+                                        cfg["head_dim"])
+    return {"size": sum(f["size"] for f in m["files"].values()), "kv": kv,
+            "kv_tokens_per_gib": (1 << 30) // per_tok,
             "ppl": acc.get("ppl"), "ppl_increase": acc.get("ppl_increase"),
             "top1": acc.get("top1_agreement"), "ref_ppl": acc.get("ref_ppl")}
 
@@ -82,6 +89,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
+    ap.add_argument("--context", type=int, default=128, help="tokens of context per sequence")
     ap.add_argument("--build", action="store_true", help="build missing plans first")
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args()
@@ -93,7 +101,7 @@ def main() -> None:
     ref = next((r["ref_ppl"] for r in rows.values() if r["ref_ppl"]), None)
     if "fp32" in rows and ref:
         rows["fp32"].update(ppl=ref, ppl_increase=0.0, top1=1.0)
-    runners = {p: Runner(plan_dir(p)) for p in args.precisions}
+    runners = {p: Runner(plan_dir(p), args.context) for p in args.precisions}
     for th in args.threads:
         torch.set_num_threads(th)
         times = {(p, n): [] for p in runners for n in (1, 32)}
@@ -105,7 +113,9 @@ def main() -> None:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
     base = rows.get("fp32")
-    head = ["precision", "plan size", "x fp32", "ppl", "increase", "top-1"]
+    print(f"context {args.context} tokens per sequence; medians of {args.rounds} rounds")
+    head = ["precision", "plan size", "x fp32", "KV", "KV tokens/GiB", "ppl", "increase",
+            "top-1"]
     for th in args.threads:
         head += [f"b1 ms ({th}t)", "x fp32", f"b32 tok/s ({th}t)", "x fp32"]
     print("| " + " | ".join(head) + " |")
@@ -113,7 +123,8 @@ def main() -> None:
     for p, r in rows.items():
         ratio = lambda k, inv=False: (f"{(base[k] / r[k] if inv else r[k] / base[k]):.2f}"
                                       if base else "-")
-        cells = [p, f"{r['size'] / 2**20:.0f} MiB", ratio("size"),
+        cells = [p, f"{r['size'] / 2**20:.0f} MiB", ratio("size"), r["kv"],
+                 f"{r['kv_tokens_per_gib']:,}",
                  f"{r['ppl']:.3f}" if r["ppl"] else "-",
                  f"{r['ppl_increase']:+.2%}" if r["ppl_increase"] is not None else "-",
                  f"{r['top1']:.1%}" if r["top1"] is not None else "-"]

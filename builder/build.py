@@ -173,7 +173,8 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
         from builder.accuracy import Gate
 
         gate = Gate(spec, ckpt)
-        if spec.quantized:   # the fp32 model is at hand before quantizing (cached or not)
+        if next(model.parameters()).dtype == torch.float32:
+            # the fp32 model is at hand before quantizing (cached or not)
             progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
             gate.compute_reference(model)
     quant_info = _quantize(model, spec, ckpt, progress)
@@ -186,14 +187,14 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
     kv_dtype = spec.kv_dtype
     progress.stage(f"capturing the engine step (torch.export, backend {spec.target.backend})")
     captured = kcompile.capture(model, limits.max_num_tokens, limits.max_batch_size, max_blocks,
-                                spec.kv_cache.tokens_per_block, DTYPES[kv_dtype])
+                                spec.kv_cache.tokens_per_block, kv_dtype)
     progress.stage("compiling ahead of time (AOTInductor)" if spec.target.backend == "aoti"
                    else "saving the exported program (eager backend)")
     engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend)
     del captured
 
     progress.stage("checking the compiled step against the eager model")
-    check = kcompile.check_engine(model, tmp, engine_file, kernels, spec, DTYPES[kv_dtype])
+    check = kcompile.check_engine(model, tmp, engine_file, kernels, spec, kv_dtype)
     del model
     accuracy = None
     if gate is not None:
@@ -289,7 +290,7 @@ def _accuracy_gate(gate, tmp: Path, engine_file: Path, kernels, spec: Spec,
     step = load_step_fn(Plan(tmp, {"engine": engine}))
     acc = gate.run(step, spec.kv_dtype, tmp)
     progress.stage("accuracy: " + racc.describe(acc))
-    msg = racc.gate_message(acc, spec.name, spec.precision.weights)
+    msg = racc.gate_message(acc, spec.name, spec.precision.weights, spec.kv_dtype)
     if msg:
         raise BuildError(msg)
     return acc

@@ -20,14 +20,17 @@ KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 # message that says so (rather than building something else silently).
 BUILDABLE_WEIGHTS = ("fp32", "bf16", "int8", "int4", "fp8")
 QUANTIZED_WEIGHTS = ("int8", "int4", "fp8")
-# int8/fp8 KV caches need scales in the paged-attention kernel and the pool accounting;
-# not built yet (rejected with a message that says so).
-BUILDABLE_KV = ("fp32", "bf16")
+# KV pool dtypes the paged-attention kernels read and write (int8/fp8 with per-token
+# scales: plugins/paged_kv/kv_format.py); fp16 has no CPU kernel and is rejected by name.
+BUILDABLE_KV = ("fp32", "bf16", "int8", "fp8")
 # Default accuracy gate (largest relative perplexity increase over the unquantized model)
 # per weight precision; chosen from SmolLM2-135M measurements (README "Precisions"): a
 # healthy plan passes with margin, a broken one (wrong scales, a bad kernel) fails.
 DEFAULT_MAX_PPL_INCREASE = {"bf16": 0.01, "fp16": 0.01, "fp8": 0.05, "int8": 0.03,
                             "int4": 0.15}
+# What a quantized KV cache adds to the weights' default (a plan with fp32 weights and an
+# int8 cache is gated at the KV share alone).
+DEFAULT_KV_PPL_INCREASE = {"int8": 0.02, "fp8": 0.04}
 
 # Known NVIDIA targets by name -> compute capability.
 GPU_TARGETS = {
@@ -217,8 +220,8 @@ class Spec(_Strict):
                              f"by this version of kiln; allowed: {', '.join(BUILDABLE_WEIGHTS)}")
         if self.precision.kv_cache is not None and self.precision.kv_cache not in BUILDABLE_KV:
             raise _PathError("precision.kv_cache", f"{self.precision.kv_cache!r} is not built "
-                             f"by this version of kiln (a quantized KV cache needs scales in "
-                             f"the paged-attention kernel); allowed: {', '.join(BUILDABLE_KV)}")
+                             f"by this version of kiln (no paged-attention kernel reads it); "
+                             f"allowed: {', '.join(BUILDABLE_KV)}")
         if self.precision.group_size is not None and self.precision.weights != "int4":
             raise _PathError("precision.group_size", "group_size applies to int4 weights only "
                              f"(weights is {self.precision.weights!r})")
@@ -240,10 +243,14 @@ class Spec(_Strict):
 
     @property
     def max_ppl_increase(self) -> Optional[float]:
-        """The accuracy gate's limit; None: no gate (fp32 weights, unless the spec sets one)."""
+        """The accuracy gate's limit; None: no gate (fp32 weights and a float KV cache, unless
+        the spec sets one). Defaults add up: the weights' share plus the KV cache's."""
         if self.accuracy.max_ppl_increase is not None:
             return self.accuracy.max_ppl_increase
-        return DEFAULT_MAX_PPL_INCREASE.get(self.precision.weights)
+        parts = [DEFAULT_MAX_PPL_INCREASE.get(self.precision.weights),
+                 DEFAULT_KV_PPL_INCREASE.get(self.kv_dtype)]
+        parts = [p for p in parts if p is not None]
+        return round(sum(parts), 6) if parts else None
 
     @property
     def kv_dtype(self) -> str:

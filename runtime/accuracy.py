@@ -188,14 +188,16 @@ def rerun_gate(plan: Plan, step_fn=None) -> dict:
     return got
 
 
-def gate_message(acc: dict, name: str, weights: str) -> Optional[str]:
+def gate_message(acc: dict, name: str, weights: str, kv_cache: str = "fp32") -> Optional[str]:
     """None when the gate passes, else the build's error message."""
     if acc["passed"]:
         return None
-    return (f"accuracy gate failed for {name} ({weights} weights): perplexity "
+    what = f"{weights} weights" + (f", {kv_cache} KV cache" if kv_cache in ("int8", "fp8") else "")
+    return (f"accuracy gate failed for {name} ({what}): perplexity "
             f"{acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized is "
             f"{acc['ppl_increase']:+.2%}, above accuracy.max_ppl_increase "
             f"{acc['max_ppl_increase']:.2%} (top-1 agreement {acc['top1_agreement']:.2%} on "
             f"{acc['tokens']} tokens); no plan was written. Use a higher precision, AWQ "
             "calibration (accuracy.calibration_text: pydoc) for int4, a smaller "
-            "precision.group_size, or raise accuracy.max_ppl_increase")
+            "precision.group_size, a bf16 precision.kv_cache, or raise "
+            "accuracy.max_ppl_increase")

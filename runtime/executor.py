@@ -11,14 +11,14 @@ from typing import Callable, Sequence
 
 import torch
 
+from plugins.paged_kv import kv_format
 from runtime.plan import Plan, PlanError, load_step_fn
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Shape of the KV pools: per layer, K and V of [num_blocks, tokens_per_block, kvh, d]."""
+    """Shape of the KV pools: per layer, K and V of [num_blocks, tokens_per_block, kvh, row]
+    (row = head_dim, or head_dim codes + 4 scale bytes for an int8/fp8 cache: kv_format)."""
     num_layers: int
     num_blocks: int
     tokens_per_block: int
@@ -28,9 +28,9 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        """K and V bytes of one block summed over all layers."""
-        elem = torch.tensor([], dtype=DTYPES[self.dtype]).element_size()
-        return 2 * self.num_layers * self.tokens_per_block * self.num_kv_heads * self.head_dim * elem
+        """K and V bytes of one block summed over all layers (scales included)."""
+        return self.tokens_per_block * kv_format.bytes_per_token(
+            self.dtype, self.num_layers, self.num_kv_heads, self.head_dim)
 
     @property
     def total_bytes(self) -> int:
@@ -121,13 +121,9 @@ class Executor:
                  device: str = "cpu"):
         self.step_fn = step_fn
         self.layout = layout
-        shape = (layout.num_blocks, layout.tokens_per_block, layout.num_kv_heads,
-                 layout.head_dim)
-        dt = DTYPES[layout.dtype]
-        self.k_caches = [torch.zeros(shape, dtype=dt, device=device)
-                         for _ in range(layout.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dt, device=device)
-                         for _ in range(layout.num_layers)]
+        self.k_caches, self.v_caches = kv_format.new_pools(
+            layout.dtype, layout.num_layers, layout.num_blocks, layout.tokens_per_block,
+            layout.num_kv_heads, layout.head_dim, device)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from plugins.paged_kv import kv_format
+
 
 def human_bytes(n: float | None) -> str:
     if n is None:
@@ -16,8 +18,8 @@ def human_bytes(n: float | None) -> str:
 
 def kv_bytes_per_token(manifest: dict) -> int:
     cfg, kv = manifest["model"]["config"], manifest["kv_cache"]
-    elem = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}[kv["dtype"]]
-    return 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * elem
+    return kv_format.bytes_per_token(kv["dtype"], cfg["num_layers"], cfg["num_kv_heads"],
+                                     cfg["head_dim"])
 
 
 def describe(m: dict, path: Path | str = "") -> str:

@@ -12,12 +12,17 @@ schema's mutated args, so AOTInductor calls it without copying the pool) and ret
 attention output. Token t attends to positions 0..pos(t) of its own sequence (causal inside
 a chunk, everything before the chunk from the pool). GQA: head h reads kv head h // (H/KVH).
 
+Pools of int8 or float8_e4m3fn hold quantized rows (codes + a per-token, per-kv-head scale;
+plugins/paged_kv/kv_format.py): K/V are quantized when written and dequantized when read.
+
 Kernels: the reference below is registered for CompositeExplicitAutograd (any device); a
 compiled kernel registered for a backend key (CPU, CUDA) takes precedence when loaded.
 """
 from __future__ import annotations
 
 import torch
+
+from plugins.paged_kv import kv_format
 
 SCHEMA = (
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -31,17 +36,21 @@ _lib.define(SCHEMA)
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Scatter this step's K/V [T, KVH, D] into their flat slots of the pools, in place."""
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter this step's K/V [T, KVH, D] into their flat slots of the pools, in place
+    (quantized first when the pool is int8/fp8)."""
+    kvh, w = k_cache.shape[2], k_cache.shape[3]
+    for x, pool in ((k, k_cache), (v, v_cache)):
+        rows = kv_format.encode(x, pool.dtype)
+        if kv_format.is_quantized(pool.dtype):   # as bytes: no index_copy_ for float8 on CPU
+            pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
+        pool.view(-1, kvh, w).index_copy_(0, slot_mapping, rows)
 
 
 def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
                               context_lens, query_start_loc, scale: float) -> torch.Tensor:
     """Pure-torch paged attention (vectorized over sequences; pads queries per sequence).
 
-    q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, bs, KVH, D];
+    q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, bs, KVH, D (+4 quantized)];
     slot_mapping [T]; block_tables [B, max_blocks]; context_lens [B]; query_start_loc [B+1].
     Returns [T, H, D] in q's dtype. Computes in float32.
     """
@@ -58,8 +67,8 @@ def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tab
     n_blocks = (int(context_lens.max()) + bs - 1) // bs
     ctx = n_blocks * bs
     bt = block_tables[:, :n_blocks].long()
-    K = k_cache[bt].reshape(B, ctx, KVH, D).float()                        # [B, C, KVH, D]
-    V = v_cache[bt].reshape(B, ctx, KVH, D).float()
+    K = kv_format.decode(k_cache[bt]).reshape(B, ctx, KVH, D)             # [B, C, KVH, D]
+    V = kv_format.decode(v_cache[bt]).reshape(B, ctx, KVH, D)
     Qp = q.new_zeros((B, max_q, H, D), dtype=torch.float32)
     Qp[seq_ids, tok_idx] = q.float()
     Qp = Qp.view(B, max_q, KVH, G, D)

@@ -144,6 +144,56 @@ def test_gate_fails_the_build_and_writes_nothing(tmp_path):
     assert list((tmp_path / "plans").iterdir()) == []        # no temporary directory left
 
 
+KV_PLANS = {   # name -> precision section: quantized KV caches, with and without quantized weights
+    "kv-int8": {"weights": "int8", "kv_cache": "int8"},
+    "kv-fp8": {"weights": "fp32", "kv_cache": "fp8"},
+}
+
+
+@pytest.fixture(scope="session")
+def kv_plans(tmp_path_factory) -> dict[str, Path]:
+    specs = tmp_path_factory.mktemp("kv-specs")
+    return {name: build(write_spec(specs, tiny_spec(f"tiny-{name}", prec)),
+                        TEST_PLANS / f"tiny-{name}", progress=Progress(enabled=False)).path
+            for name, prec in KV_PLANS.items()}
+
+
+@pytest.mark.parametrize("name", list(KV_PLANS))
+def test_quantized_kv_plan_gates_and_records(kv_plans, name):
+    m = json.loads((kv_plans[name] / "plan.json").read_text())
+    kv = KV_PLANS[name]["kv_cache"]
+    assert m["precision"]["kv_cache"] == kv and m["kv_cache"]["dtype"] == kv
+    acc = m["accuracy"]   # gated even with fp32 weights: default = weights' + KV's share
+    assert acc["passed"] and acc["max_ppl_increase"] == {"kv-int8": 0.05, "kv-fp8": 0.04}[name]
+    assert m["check"]["max_logit_diff"] <= m["check"]["tolerance"]
+
+
+@pytest.mark.parametrize("name", list(KV_PLANS))
+def test_quantized_kv_pool_holds_more_and_batches_like_alone(kv_plans, name):
+    """The pool is int8/fp8 rows with scales, sized from the same budget (so ~2x the blocks of
+    a bf16 cache); greedy output of a batch equals each request alone; no block leaks."""
+    from plugins.paged_kv import kv_format
+    from runtime.inspect import describe
+
+    plan = load_plan(kv_plans[name])
+    prompts = [[5, 6, 7, 8], list(range(40, 100)), list(range(200, 237)), [9] * 20]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with Engine.from_plan(plan) as eng:
+        pool = eng.executor.k_caches[0]
+        assert pool.dtype == kv_format.storage_dtype(KV_PLANS[name]["kv_cache"])
+        assert pool.shape[-1] == plan.model_config["head_dim"] + 4
+        per_block = eng.executor.layout.bytes_per_block     # 2 layers x 2 kv heads, D 16
+        assert per_block == 16 * 2 * 2 * 2 * (16 + 4)       # K+V rows: 16 codes + a scale
+        assert per_block / (16 * kv_format.bytes_per_token("bf16", 2, 2, 16)) == 20 / 32
+        assert eng.executor.layout.num_blocks == (8 << 20) // per_block
+        batched = [o.token_ids for o in eng.generate(prompts, greedy)]
+        alone = [eng.generate([p], greedy)[0].token_ids for p in prompts]
+        assert batched == alone and all(len(t) == 12 for t in batched)
+        pool_ = eng.scheduler.pool
+        assert pool_.num_free_blocks == pool_.num_blocks
+    assert f"kv cache {KV_PLANS[name]['kv_cache']}" in describe(plan.manifest)
+
+
 def test_group_size_that_does_not_divide_names_setting_and_layer(tmp_path):
     arch = dict(ARCH, hidden_size=96, intermediate_size=192, num_attention_heads=3,
                 num_key_value_heads=1)    # K = 96 or 192: 64 divides neither
@@ -163,8 +213,8 @@ def test_group_size_that_does_not_divide_names_setting_and_layer(tmp_path):
     ({"weights": "int4", "group_size": 48}, "precision.group_size", "48"),
     ({"weights": "fp8", "activations": "fp8"}, "precision.activations",
      "fp8 activations need a GPU with FP8"),
-    ({"weights": "int8", "kv_cache": "int8"}, "precision.kv_cache", "quantized KV cache"),
-    ({"weights": "int8", "kv_cache": "fp8"}, "precision.kv_cache", "not built"),
+    ({"weights": "int8", "kv_cache": "fp16"}, "precision.kv_cache", "no paged-attention kernel"),
+    ({"weights": "int8", "kv_cache": "int4"}, "precision.kv_cache", "'int4' is not allowed"),
 ])
 def test_bad_precision_settings_are_named(precision, path, message):
     with pytest.raises(SpecError) as e:

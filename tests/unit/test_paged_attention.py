@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from plugins.paged_kv import kernels
+from plugins.paged_kv import kernels, kv_format
 from plugins.paged_kv.ops import paged_attention_reference
 
 pytestmark = pytest.mark.unit
@@ -60,8 +60,8 @@ def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     return Batch(
         q=rnd(T, H, D).to(dtype), k=rnd(T, KVH, D).to(dtype), v=rnd(T, KVH, D).to(dtype),
-        k_cache=rnd(num_blocks, bs, KVH, D).to(cache_dtype),
-        v_cache=rnd(num_blocks, bs, KVH, D).to(cache_dtype),
+        k_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
+        v_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
         slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=bt,
         context_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.long),
         query_start_loc=torch.tensor(qsl, dtype=torch.long), scale=1.0 / math.sqrt(D))
@@ -78,12 +78,14 @@ def check(batch: Batch, atol=1e-4, rtol=1e-4):
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
-    KVH, D = kc0.shape[2], kc0.shape[3]
+    KVH, W = kc0.shape[2], kc0.shape[3]
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
     for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
-        expect = orig.clone()
-        expect.view(-1, KVH, D)[batch.slot_mapping] = new.to(orig.dtype)
-        assert torch.equal(pool, expect)
-    assert torch.equal(batch.k_cache, ref_k) and torch.equal(batch.v_cache, ref_v)
+        expect = raw(orig.clone())
+        expect.view(-1, KVH, W)[batch.slot_mapping] = raw(kv_format.encode(new, orig.dtype))
+        assert torch.equal(raw(pool), expect)
+    assert torch.equal(raw(batch.k_cache), raw(ref_k))
+    assert torch.equal(raw(batch.v_cache), raw(ref_v))
     return out
 
 
@@ -130,6 +132,47 @@ def test_bf16(dtype, cache_dtype):
     check(b, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
+@pytest.mark.parametrize("H,KVH,D,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 36, 8)])
+def test_quantized_cache(cache_dtype, dtype, H, KVH, D, bs):
+    """Codes + per-row scale: the kernel writes the reference's exact bytes and attends over
+    the same dequantized values (odd head dims take the scalar tails)."""
+    b = make_batch(MIXED, H, KVH, D, bs, dtype=dtype, cache_dtype=cache_dtype, seed=D + bs)
+    assert b.k_cache.shape[-1] == D + 4
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    check(b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name,bound", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
+def test_quantized_rows_round_trip(name, bound):
+    """encode/decode of K/V rows: error within half a step of the row's scale (int8) or the
+    E4M3 relative step; outlier rows and all-zero rows included."""
+    dt = kv_format.storage_dtype(name)
+    x = torch.randn(64, 4, 64)
+    x[3, 1, 7] = 300.0          # an outlier: only its own row gets a coarse scale
+    x[5, 2] = 0.0               # an all-zero row: scale 0, decodes to zeros
+    rows = kv_format.encode(x, dt)
+    assert rows.dtype == dt and rows.shape == (64, 4, 68)
+    y = kv_format.decode(rows)
+    amax = x.abs().amax(-1, keepdim=True)
+    err = (y - x).abs()
+    if name == "int8":
+        assert (err <= bound * amax + 1e-6).all()
+    else:   # E4M3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormal floor
+        assert (err <= bound * x.abs() + amax / 448 * 2 ** -9 + 1e-6).all()
+    assert torch.equal(y[5, 2], torch.zeros(64))
+    assert (err[3, 0] < 0.1).all()
+
+
+def test_quantized_pool_holds_more_tokens():
+    f32 = kv_format.bytes_per_token("fp32", 30, 3, 64)
+    assert kv_format.bytes_per_token("bf16", 30, 3, 64) * 2 == f32
+    for name in ("int8", "fp8"):
+        assert kv_format.bytes_per_token(name, 30, 3, 64) == 2 * 30 * 3 * 68
+        assert f32 / kv_format.bytes_per_token(name, 30, 3, 64) > 3.7
+
+
 def test_int32_metadata_and_strided_qkv():
     b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
     T, H, KVH, D = b.q.shape[0], 9, 3, 64
@@ -162,6 +205,9 @@ def _call(b: Batch, **over):
     (lambda b: dict(q=b.q.half(), k=b.k.half(), v=b.v.half()), "float32 or bfloat16"),
     (lambda b: dict(k=b.k.bfloat16()), "share a dtype"),
     (lambda b: dict(v_cache=b.v_cache.bfloat16()), "k_cache and v_cache"),
+    (lambda b: dict(k_cache=b.k_cache.half(), v_cache=b.v_cache.half()), "float8_e4m3fn"),
+    (lambda b: dict(k_cache=b.k_cache.to(torch.int8), v_cache=b.v_cache.to(torch.int8)),
+     "4 scale bytes"),
     (lambda b: dict(q=b.q[..., :32]), "head_dim"),
     (lambda b: dict(slot_mapping=b.slot_mapping.float()), "int32 or int64"),
     (lambda b: dict(slot_mapping=b.slot_mapping + 10**6), "outside the pool"),
@@ -170,7 +216,7 @@ def _call(b: Batch, **over):
     (lambda b: dict(context_lens=b.context_lens + 10**5), "capacity"),
     (lambda b: dict(q=b.q[:-1]), "k and v must be"),
 ], ids=["heads", "qsl-size", "cache-layout", "fp16", "qkv-dtypes", "cache-dtypes",
-        "head-dim", "index-dtype", "bad-slot", "bad-block", "short-context", "long-context",
+        "head-dim", "cache-fp16", "int8-without-scales", "index-dtype", "bad-slot", "bad-block", "short-context", "long-context",
         "token-count"])
 def test_bad_inputs_raise(change, match):
     b = make_batch([(10, 4), (3, 1)], 8, 2, 64, 16)

@@ -13,14 +13,21 @@
 // Long contexts with few work items (decode at small batch) are split into partitions of
 // whole blocks (flash-decoding); partial (O, m, l) go to one workspace and a third pass
 // merges them. Nothing is allocated per sequence or per token.
+//
+// Pools of int8 or float8_e4m3fn hold quantized rows (plugins/paged_kv/kv_format.py): per
+// token and kv head, D one-byte codes then a float32 scale. Pass 1 quantizes (same rounding as
+// the reference, so both write the same bytes); pass 2 dequantizes a block's rows into the
+// float scratch rows it already uses for bf16 pools.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -51,6 +58,82 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <typename T>
 inline void to_float(const T* src, float* dst, int64_t n, float mul = 1.f) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]) * mul;
+}
+
+using fp8 = c10::Float8_e4m3fn;
+constexpr int64_t kScaleBytes = 4;
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, fp8>;
+template <typename T>
+constexpr float kQmax = std::is_same_v<T, int8_t> ? 127.f : 448.f;
+
+inline float row_scale(const void* codes, int64_t D) {
+  float s;
+  std::memcpy(&s, static_cast<const char*>(codes) + D, sizeof(float));
+  return s;
+}
+
+// One pool row (D values; quantized: D codes + scale) as D floats.
+template <typename cache_t>
+inline void load_row(const cache_t* src, float* dst, int64_t D) {
+  to_float(src, dst, D);
+}
+
+template <>
+inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t D) {
+  const float s = row_scale(src, D);
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 vs = _mm256_set1_ps(s);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+}
+
+// E4M3 (bias 7) -> float by moving sign, exponent and mantissa into float32's fields and
+// scaling by 2^120 (exact, subnormals included; codes never hold NaN: writes saturate).
+template <>
+inline void load_row<fp8>(const fp8* src, float* dst, int64_t D) {
+  const float s = row_scale(src, D);
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
+  constexpr float k2p120 = 1.329227995784916e36f;  // 2^120
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 vs = _mm256_set1_ps(s), vp = _mm256_set1_ps(k2p120);
+  const __m256i sign = _mm256_set1_epi32(0x80), mag = _mm256_set1_epi32(0x7F);
+  for (; d + 8 <= D; d += 8) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + d)));
+    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, sign), 24),
+                                         _mm256_slli_epi32(_mm256_and_si256(x, mag), 20));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), vp), vs));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+}
+
+// D values of a K/V row into a pool row (quantized: codes + scale = max|x| / qmax).
+template <typename scalar_t, typename cache_t>
+inline void store_row(const scalar_t* src, cache_t* dst, int64_t D) {
+  if constexpr (!kQuantized<cache_t>) {
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<cache_t>(static_cast<float>(src[d]));
+  } else {
+    constexpr float qmax = kQmax<cache_t>;
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(static_cast<float>(src[d])));
+    const float inv = amax > 0.f ? qmax / amax : 0.f;
+    for (int64_t d = 0; d < D; ++d) {
+      const float y = std::min(std::max(static_cast<float>(src[d]) * inv, -qmax), qmax);
+      if constexpr (std::is_same_v<cache_t, int8_t>)
+        dst[d] = static_cast<int8_t>(std::nearbyint(y));
+      else
+        dst[d] = fp8(y);
+    }
+    const float scale = amax / qmax;
+    std::memcpy(reinterpret_cast<char*>(dst) + D, &scale, sizeof(float));
+  }
 }
 
 // y += a * x over n floats.
@@ -193,6 +276,7 @@ struct Work {
 struct Problem {
   int64_t T, H, KVH, G, D, bs, ldk, max_rows, part_len;
   int64_t q_s0, q_s1;
+  int64_t row;                   // elements of one token's row of one kv head (D; +4 quantized)
   int64_t cache_tok, cache_blk;  // strides of the pools: token, block
   float scale;
 };
@@ -293,12 +377,12 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
 
   for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
     const int64_t start = blk * bs, ncols = std::min(bs, hi - start);
-    const cache_t* kb = kc + bt(g.b, blk) * P.cache_blk + g.kh * D;
-    const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * D;
+    const cache_t* kb = kc + bt(g.b, blk) * P.cache_blk + g.kh * P.row;
+    const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.row;
     if ((blk + 1) * bs < hi) {  // blocks are scattered: prefetch the next one's rows
-      const int64_t nxt = bt(g.b, blk + 1) * P.cache_blk + g.kh * D;
-      prefetch_rows(kc + nxt, bs, P.cache_tok, D);
-      prefetch_rows(vc + nxt, bs, P.cache_tok, D);
+      const int64_t nxt = bt(g.b, blk + 1) * P.cache_blk + g.kh * P.row;
+      prefetch_rows(kc + nxt, bs, P.cache_tok, P.row);
+      prefetch_rows(vc + nxt, bs, P.cache_tok, P.row);
     }
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
     const float *krows = w.kf, *vrows = w.vf;
@@ -309,8 +393,8 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       kvstride = P.cache_tok;
     } else {
       for (int64_t c = 0; c < ncols; ++c) {
-        to_float(kb + c * P.cache_tok, w.kf + c * D, D);
-        to_float(vb + c * P.cache_tok, w.vf + c * D, D);
+        load_row(kb + c * P.cache_tok, w.kf + c * D, D);
+        load_row(vb + c * P.cache_tok, w.vf + c * D, D);
       }
     }
     // Rows of token j see positions <= pos0 + j: the first rows may see none of this block.
@@ -370,13 +454,9 @@ void write_kv(const Problem& P, const at::Tensor& k, const at::Tensor& v, at::Te
   at::parallel_for(0, P.T * KVH, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / KVH, h = i % KVH;
-      const int64_t dst = slots(t) * P.cache_tok + h * D;
-      const scalar_t* ks = kp + t * ks0 + h * ks1;
-      const scalar_t* vs = vp + t * vs0 + h * vs1;
-      for (int64_t d = 0; d < D; ++d) {
-        kc[dst + d] = static_cast<cache_t>(static_cast<float>(ks[d]));
-        vc[dst + d] = static_cast<cache_t>(static_cast<float>(vs[d]));
-      }
+      const int64_t dst = slots(t) * P.cache_tok + h * P.row;
+      store_row(kp + t * ks0 + h * ks1, kc + dst, D);
+      store_row(vp + t * vs0 + h * vs1, vc + dst, D);
     }
   });
 }
@@ -507,8 +587,12 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
               v_cache.sizes(), " differs from k_cache shape ", k_cache.sizes());
   const int64_t T = q_in.size(0), H = q_in.size(1), D = q_in.size(2);
   const int64_t NB = k_cache.size(0), bs = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "paged_attention: cache head_dim ", k_cache.size(3),
-              " differs from q head_dim ", D);
+  const bool c_quant = k_cache.scalar_type() == at::kChar ||
+                       k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const int64_t row = c_quant ? D + kScaleBytes : D;
+  TORCH_CHECK(k_cache.size(3) == row, "paged_attention: cache rows of ", k_cache.size(3),
+              " elements do not fit q head_dim ", D,
+              c_quant ? " (a quantized pool row is head_dim codes + 4 scale bytes)" : "");
   TORCH_CHECK(k_in.size(0) == T && k_in.size(1) == KVH && k_in.size(2) == D &&
                   v_in.sizes() == k_in.sizes(),
               "paged_attention: k and v must be [T=", T, ", KVH=", KVH, ", D=", D, "], got ",
@@ -521,10 +605,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   TORCH_CHECK(k_in.scalar_type() == q_in.scalar_type() && v_in.scalar_type() == q_in.scalar_type(),
               "paged_attention: q, k, v must share a dtype, got ", q_in.scalar_type(), ", ",
               k_in.scalar_type(), ", ", v_in.scalar_type());
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() &&
-                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16),
-              "paged_attention (CPU): k_cache and v_cache must both be float32 or bfloat16, got ",
-              k_cache.scalar_type(), " and ", v_cache.scalar_type());
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == v_cache.scalar_type() && (ct == at::kFloat || ct == at::kBFloat16 ||
+                                              ct == at::kChar || ct == at::kFloat8_e4m3fn),
+              "paged_attention (CPU): k_cache and v_cache must both be float32, bfloat16, int8 "
+              "or float8_e4m3fn, got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_attention: k_cache and v_cache must be contiguous (they are written in place)");
   TORCH_CHECK(k_in.device().is_cpu() && v_in.device().is_cpu() && k_cache.device().is_cpu() &&
@@ -554,22 +639,25 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   P.T = T; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = bs;
   P.ldk = ceil_div(bs, kVec) * kVec;
   P.q_s0 = q.stride(0); P.q_s1 = q.stride(1);
-  P.cache_tok = KVH * D; P.cache_blk = bs * KVH * D;
+  P.row = row; P.cache_tok = KVH * row; P.cache_blk = bs * KVH * row;
   P.scale = static_cast<float>(scale);
   const Work work = plan_work(P, qsl, cl, B);
 
   at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  const bool q_bf16 = q.scalar_type() == at::kBFloat16;
-  const bool c_bf16 = k_cache.scalar_type() == at::kBFloat16;
   using bf16 = c10::BFloat16;
-  if (!q_bf16 && !c_bf16)
-    run<float, float>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
-  else if (!q_bf16 && c_bf16)
-    run<float, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
-  else if (q_bf16 && !c_bf16)
-    run<bf16, float>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
+  auto dispatch = [&](auto q_tag) {
+    using scalar_t = decltype(q_tag);
+    switch (ct) {
+      case at::kFloat: run<scalar_t, float>(P, q, k, v, k_cache, v_cache, slots, bt, work, out); break;
+      case at::kBFloat16: run<scalar_t, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, work, out); break;
+      case at::kChar: run<scalar_t, int8_t>(P, q, k, v, k_cache, v_cache, slots, bt, work, out); break;
+      default: run<scalar_t, fp8>(P, q, k, v, k_cache, v_cache, slots, bt, work, out); break;
+    }
+  };
+  if (q.scalar_type() == at::kBFloat16)
+    dispatch(bf16{});
   else
-    run<bf16, bf16>(P, q, k, v, k_cache, v_cache, slots, bt, work, out);
+    dispatch(float{});
   return out;
 }
 

@@ -1,0 +1,110 @@
+"""How a KV pool stores one token's K (or V) row of one kv head, per `kv_cache` dtype.
+
+    fp32 / bf16 / fp16   D values of that dtype.
+    int8 / fp8 (E4M3)    D one-byte codes, then the row's float32 scale (4 bytes, native
+                         byte order): written when the token's K/V is stored, per token and
+                         kv head, scale = max|x| / QMAX and code = round(x / scale)
+                         (QMAX 127 for int8, 448 for E4M3); read back as code * scale.
+
+So a layer's pool is [num_blocks, tokens_per_block, kv_heads, row_width] of the storage dtype
+(row_width = D, or D + 4 when quantized), and a quantized pool holds about 4x (vs fp32) or
+2x (vs bf16) the tokens of a float pool in the same bytes. The paged-attention op reads the
+format from the pool's dtype (int8 or float8_e4m3fn means codes + scale); its reference
+(plugins/paged_kv/ops.py) and its CPU kernel implement the same rounding, so they write the
+same bytes.
+"""
+from __future__ import annotations
+
+# Name-level facts need no torch (`kiln inspect` and the CI planner import this module).
+ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
+QUANTIZED = ("int8", "fp8")
+SCALE_BYTES = 4
+
+
+def _check(name: str) -> str:
+    if name not in ELEMENT_BYTES:
+        raise ValueError(f"unknown kv_cache dtype {name!r}; allowed: {', '.join(ELEMENT_BYTES)}")
+    return name
+
+
+def row_width(name: str, head_dim: int) -> int:
+    """Elements (of the storage dtype) of one token's row of one kv head."""
+    return head_dim + SCALE_BYTES if _check(name) in QUANTIZED else head_dim
+
+
+def bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """K and V bytes one token takes in the pools, over all layers (scales included)."""
+    return 2 * num_layers * num_kv_heads * row_width(name, head_dim) * ELEMENT_BYTES[name]
+
+
+def storage_dtype(name: str):
+    """The torch dtype of a pool of this kv_cache dtype."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "int8": torch.int8, "fp8": torch.float8_e4m3fn}[_check(name)]
+
+
+def qmax(dtype) -> float | None:
+    """Largest code of a quantized pool dtype (int8 127, E4M3 448); None for float pools."""
+    import torch
+
+    return {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}.get(dtype)
+
+
+def is_quantized(dtype) -> bool:
+    return qmax(dtype) is not None
+
+
+def pool_shape(name: str, num_blocks: int, tokens_per_block: int, num_kv_heads: int,
+               head_dim: int) -> tuple[int, int, int, int]:
+    return (num_blocks, tokens_per_block, num_kv_heads, row_width(name, head_dim))
+
+
+def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int,
+              num_kv_heads: int, head_dim: int, device="cpu"):
+    """Zeroed (k_caches, v_caches): one pool per layer for K and for V."""
+    import torch
+
+    shape = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    dt = storage_dtype(name)
+    return ([torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)],
+            [torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)])
+
+
+def head_dim_of(pool) -> int:
+    """D of a pool (its last dim, less the scale bytes when quantized)."""
+    return pool.shape[-1] - (SCALE_BYTES if is_quantized(pool.dtype) else 0)
+
+
+def encode(x, dtype):
+    """Rows x [..., D] as pool rows of `dtype` ([..., D] float, or [..., D + 4] codes+scale)."""
+    import torch
+
+    top = qmax(dtype)
+    if top is None:
+        return x.to(dtype)
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # qmax / amax as one division (a float / tensor would be reciprocal-then-multiply: two
+    # roundings), so the CPU kernel's codes match these bit for bit
+    inv = torch.where(amax > 0, torch.full_like(amax, top) / amax, torch.zeros_like(amax))
+    y = xf * inv
+    if dtype == torch.int8:
+        codes = torch.round(y).clamp_(-top, top).to(torch.int8).view(torch.uint8)
+    else:
+        codes = y.clamp_(-top, top).to(dtype).view(torch.uint8)
+    scale = (amax / top).contiguous().view(torch.uint8)                  # [..., 4]
+    return torch.cat([codes, scale], dim=-1).view(dtype)
+
+
+def decode(rows):
+    """Pool rows [..., row_width] -> float32 [..., D]."""
+    import torch
+
+    if not is_quantized(rows.dtype):
+        return rows.float()
+    D = rows.shape[-1] - SCALE_BYTES
+    raw = rows.view(torch.uint8)
+    scale = raw[..., D:].contiguous().view(torch.float32)                 # [..., 1]
+    return rows[..., :D].float() * scale

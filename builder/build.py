@@ -161,11 +161,10 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
     from builder.sources import load_model, resolve_source
     from runtime.plan import FORMAT_VERSION, MANIFEST, sha256_file
 
-    DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
     cfg = ckpt.config
     progress.stage(f"loading weights: {ckpt.source_desc}")
-    model = load_model(ckpt, dtype=DTYPES.get(spec.precision.weights, torch.float32),
-                       progress=progress)
+    # float32 whatever the precision: packing (int8/int4/fp8/bf16) is a transform after this
+    model = load_model(ckpt, dtype=torch.float32, progress=progress)
     model.eval()
 
     gate = None
@@ -173,10 +172,9 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
         from builder.accuracy import Gate
 
         gate = Gate(spec, ckpt)
-        if next(model.parameters()).dtype == torch.float32:
-            # the fp32 model is at hand before quantizing (cached or not)
-            progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
-            gate.compute_reference(model)
+        # the fp32 model is at hand before packing its weights (cached or not)
+        progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
+        gate.compute_reference(model)
     quant_info = _quantize(model, spec, ckpt, progress)
 
     progress.stage("building kernels")
@@ -247,9 +245,9 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
 
 
 def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
-    """Swap the model's linears for quantized ones (int8/int4/fp8); -> the manifest's record."""
+    """Swap the model's linears for packed ones (int8/int4/fp8/bf16); -> the manifest's record."""
     p = spec.precision
-    if not spec.quantized:
+    if not spec.packed_weights:
         return {"weights": p.weights, "scheme": None}
     from builder.quantize import quantize_model
 
@@ -260,9 +258,10 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
         calibration = calibration_runner(spec, ckpt)
     progress.stage(f"quantizing to {p.weights}" + (" (AWQ-style calibration)" if calibration
                                                    else ""))
+    keep = () if p.weights == "bf16" else p.keep_high_precision
     try:
         info = quantize_model(model, p.weights, group_size=p.group_size,
-                              keep_high_precision=p.keep_high_precision, calibration=calibration)
+                              keep_high_precision=keep, calibration=calibration)
     except ValueError as e:
         path = ("precision.group_size" if "group_size" in str(e) else
                 "precision.keep_high_precision" if "keep_high_precision" in str(e)

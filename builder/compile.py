@@ -21,7 +21,7 @@ INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "contex
 
 def engine_plugins(spec) -> list[str]:
     """The plugins whose ops the engine calls (imported by the runtime before it loads)."""
-    return ["paged_kv"] + (["quant"] if spec.quantized else [])
+    return ["paged_kv"] + (["quant"] if spec.packed_weights else [])
 
 
 def build_kernels(out_dir: Path, spec) -> list[Path]:
@@ -32,7 +32,7 @@ def build_kernels(out_dir: Path, spec) -> list[Path]:
     from plugins.paged_kv import kernels as pa_kernels
 
     libs.append(pa_kernels.build())
-    if spec.precision.weights in ("int8", "int4", "fp8"):
+    if spec.packed_weights:
         from plugins.quant import kernels as q_kernels
 
         libs.append(q_kernels.build())
@@ -152,7 +152,7 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kern
         tol = 0.25 if kv_dtype == "int8" else 0.5
     elif kv_dtype == "fp32" and spec.precision.weights == "fp32":
         tol = 1e-3
-    elif kv_dtype == "fp32" and spec.quantized:
+    elif kv_dtype == "fp32" and spec.packed_weights:
         tol = 5e-3
     else:
         tol = 5e-2

@@ -8,8 +8,9 @@ tied embedding matrix). The returned dict describes what was done and goes into 
 manifest (precision.quantization).
 
 Layers named in keep_high_precision keep their float dtype. The embedding, when not kept, is
-stored int8 per row (QuantEmbedding: a gather needs a per-row format); the lm_head, when not
-kept, in the plan's scheme — except a tied lm_head, which reads the embedding's int8 table.
+stored int8 per row (QuantEmbedding: a gather needs a per-row format; bf16 at bf16); the
+lm_head, when not kept, in the plan's scheme — except a tied lm_head, which reads the
+embedding's table (int8, or bf16 at bf16).
 
 AWQ-style calibration (int4): for each linear, per-input-channel scales s = mean|x|^alpha
 (normalized) are searched over alpha on the linear's calibration inputs, minimizing the error
@@ -114,7 +115,8 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
                    calibration: Optional[Calibration] = None) -> dict:
     """Swaps the model's nn.Linear modules for QuantLinear in place; returns a report dict.
 
-    weights: int8 | int4 | fp8. group_size: int4 only (None: the largest of 128/64/32 that
+    weights: int8 | int4 | fp8 | bf16 (weight-only: bf16 storage, float32 compute).
+    group_size: int4 only (None: the largest of 128/64/32 that
     divides every quantized linear's K). keep_high_precision: "embed", "lm_head", or module
     names / name components ("w2", "layers.0") left unquantized. calibration (int4): a
     callable run(model) that runs the unquantized model on calibration inputs, or a mapping
@@ -149,14 +151,17 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         method = "awq"
     report = {"weights": weights, "scheme": weights, "group_size": gs, "method": method,
               "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
-              "embedding": "float" if EMBED in keep else "int8-per-row",
+              "embedding": ("float" if EMBED in keep else
+                            "bf16" if weights == "bf16" else "int8-per-row"),
               "bytes_before": 0, "bytes_after": 0}
     if weights == "fp8":   # weights stored E4M3; this CPU kernel upcasts them (no FP8 MMA)
         report["fp8_compute"] = "upcast-fp32"
+    if weights == "bf16":  # stored bf16, multiplied in float32 (no bf16 FMA on AVX2)
+        report["bf16_compute"] = "upcast-fp32"
     qemb = None
     if EMBED not in keep:
         emb = model.tok_embeddings
-        qemb = QuantEmbedding.from_embedding(emb)
+        qemb = QuantEmbedding.from_embedding(emb, "bf16" if weights == "bf16" else "int8")
         report["bytes_before"] += emb.weight.numel() * emb.weight.element_size()
         report["bytes_after"] += sum(b.numel() * b.element_size() for b in qemb.buffers())
     if calibration is not None and weights != "int4":
@@ -168,11 +173,11 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
             report["awq_alpha"][name] = alpha
         if name == "output" and qemb is not None and scale is None \
                 and lin.weight is model.tok_embeddings.weight:
-            # Tied: the head reads the embedding's int8 table whatever the plan's scheme
-            # (an int4 head costs SmolLM2 +31% perplexity; int8 rows cost ~0.2%).
-            q = QuantLinear(formats.QuantizedWeight("int8", qemb.qweight, qemb.scales, None,
-                                                    None, tuple(lin.weight.shape)))
-            report["lm_head"] = "int8 (the tied embedding's table)"
+            # Tied: the head reads the embedding's table (int8 whatever the plan's scheme:
+            # an int4 head costs SmolLM2 +31% perplexity, int8 rows ~0.2%; bf16 at bf16).
+            q = QuantLinear(formats.QuantizedWeight(qemb.scheme, qemb.qweight, qemb.scales,
+                                                    None, None, tuple(lin.weight.shape)))
+            report["lm_head"] = f"{qemb.scheme} (the tied embedding's table)"
         else:
             q = QuantLinear.from_linear(lin, weights, gs, scale)
         parent_name, _, attr = name.rpartition(".")

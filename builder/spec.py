@@ -20,6 +20,9 @@ KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 # message that says so (rather than building something else silently).
 BUILDABLE_WEIGHTS = ("fp32", "bf16", "int8", "int4", "fp8")
 QUANTIZED_WEIGHTS = ("int8", "int4", "fp8")
+# Weights the `quant` plugin packs and its kernels multiply in float32: the quantized ones,
+# and bf16 (weight-only: bf16 storage, float32 activations, upcast in registers).
+PACKED_WEIGHTS = QUANTIZED_WEIGHTS + ("bf16",)
 # KV pool dtypes the paged-attention kernels read and write (int8/fp8 with per-token
 # scales: plugins/paged_kv/kv_format.py); fp16 has no CPU kernel and is rejected by name.
 BUILDABLE_KV = ("fp32", "bf16", "int8", "fp8")
@@ -136,7 +139,8 @@ class PrecisionSection(_Strict):
         default=("embed", "lm_head"),
         description="layers that keep the unquantized float dtype in a quantized plan: "
         "embed, lm_head, or module names (w2, layers.0). An embedding or lm_head left out is "
-        "stored int8 per row (the lm_head in the plan's scheme)")
+        "stored int8 per row (the lm_head in the plan's scheme). int8/int4/fp8 only: a bf16 "
+        "plan stores every weight bf16")
 
 
 class LimitsSection(_Strict):
@@ -225,6 +229,10 @@ class Spec(_Strict):
         if self.precision.group_size is not None and self.precision.weights != "int4":
             raise _PathError("precision.group_size", "group_size applies to int4 weights only "
                              f"(weights is {self.precision.weights!r})")
+        if (self.precision.weights == "bf16" and self.precision.keep_high_precision
+                != PrecisionSection.model_fields["keep_high_precision"].default):
+            raise _PathError("precision.keep_high_precision", "applies to int8, int4 and fp8 "
+                             "weights; a bf16 plan stores every weight bf16")
         if self.accuracy.calibration_text is not None and self.precision.weights != "int4":
             raise _PathError("accuracy.calibration_text", "AWQ-style calibration applies to "
                              f"int4 weights only (weights is {self.precision.weights!r})")
@@ -240,6 +248,11 @@ class Spec(_Strict):
     @property
     def quantized(self) -> bool:
         return self.precision.weights in QUANTIZED_WEIGHTS
+
+    @property
+    def packed_weights(self) -> bool:
+        """Linears run the `quant` plugin's kernels (int8/int4/fp8, and weight-only bf16)."""
+        return self.precision.weights in PACKED_WEIGHTS
 
     @property
     def max_ppl_increase(self) -> Optional[float]:

@@ -1,2 +1,2 @@
 """Kiln: ahead-of-time compile-and-deploy toolchain for LLM inference."""
-__version__ = "0.2.0"
+__version__ = "0.3.0"

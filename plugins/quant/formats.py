@@ -29,6 +29,12 @@ fp8   E4M3 (float8_e4m3fn), per output channel scale
       error bound: |w - deq| <= max(|w| * 2**-4, scales[n] * 2**-10)
       (3 mantissa bits: half an ulp is 2**-4 relative; subnormal step is 2**-9 * scale)
 
+bf16  bfloat16 weights, no scale (a bf16 plan: weight-only, activations stay float32)
+      qweight bfloat16 [N, K];  scales None
+      w[n, k] = float(qweight[n, k])
+      error bound: |w - deq| <= max(|w| * 2**-8, 2**-134)   (7 mantissa bits, round to
+      nearest even; the second term: bf16 subnormals)
+
 All-zero rows get a scale of tiny (finfo.tiny) / qmax so nothing divides by zero.
 """
 from __future__ import annotations
@@ -40,16 +46,16 @@ import torch
 INT4_BLOCK = 32                   # weights per 16-byte packed block (see layout above)
 GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0                   # largest finite float8_e4m3fn
-SCHEMES = ("int8", "int4", "fp8")
+SCHEMES = ("int8", "int4", "fp8", "bf16")
 _TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """One quantized [N, K] weight: the op's tensor arguments, in the op's order."""
-    scheme: str                   # int8 | int4 | fp8
+    scheme: str                   # int8 | int4 | fp8 | bf16
     qweight: torch.Tensor
-    scales: torch.Tensor
+    scales: torch.Tensor | None   # None for bf16
     zeros: torch.Tensor | None    # int4 only
     group_size: int | None        # int4 only
     shape: tuple[int, int]        # (N, K) of the float weight
@@ -140,8 +146,11 @@ def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- per scheme
 
 def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
-    """Quantize one [N, K] weight with `scheme` (int8 | int4 | fp8)."""
+    """Quantize one [N, K] weight with `scheme` (int8 | int4 | fp8 | bf16)."""
     shape = (int(w.shape[0]), int(w.shape[1]))
+    if scheme == "bf16":
+        return QuantizedWeight("bf16", w.detach().to(torch.bfloat16).contiguous(), None, None,
+                               None, shape)
     if scheme == "int8":
         q, s = quantize_int8(w)
         return QuantizedWeight("int8", q, s, None, None, shape)
@@ -159,6 +168,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The float32 [N, K] weight a QuantizedWeight stands for."""
     if qw.scheme == "int8":
         return dequantize_int8(qw.qweight, qw.scales)
+    if qw.scheme == "bf16":
+        return qw.qweight.float()
     if qw.scheme == "fp8":
         return dequantize_fp8(qw.qweight, qw.scales)
     return dequantize_int4(qw.qweight, qw.scales, qw.zeros, qw.group_size)
@@ -171,4 +182,6 @@ def error_bound(w: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         return (qw.scales[:, None] / 2).expand(n, k)
     if qw.scheme == "int4":
         return (qw.scales / 2).repeat_interleave(qw.group_size, dim=1)
+    if qw.scheme == "bf16":   # half an ulp; bf16 subnormals step by 2**-133
+        return torch.maximum(w.float().abs() * 2.0 ** -8, torch.full_like(w.float(), 2.0 ** -134))
     return torch.maximum(w.float().abs() * 2.0 ** -4, qw.scales[:, None] * 2.0 ** -10)

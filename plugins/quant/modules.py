@@ -55,6 +55,8 @@ class QuantLinear(nn.Module):
             y = torch.ops.kiln.linear_int8(x2, self.qweight, self.scales, bias)
         elif self.scheme == "fp8":
             y = torch.ops.kiln.linear_fp8(x2, self.qweight, self.scales, bias)
+        elif self.scheme == "bf16":
+            y = torch.ops.kiln.linear_bf16(x2, self.qweight, bias)
         else:
             y = torch.ops.kiln.linear_int4(x2, self.qweight, self.scales, self.zeros,
                                            self.group_size, bias)
@@ -67,27 +69,34 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """nn.Embedding with an int8 per-row table: out[t] = qweight[ids[t]] * scales[ids[t]].
+    """nn.Embedding with an int8 per-row table, out[t] = qweight[ids[t]] * scales[ids[t]], or
+    a bf16 table (scales None), out[t] = float(qweight[ids[t]]).
 
-    Per-row int8 is the int8 linear format of the same [vocab, hidden] matrix, so a tied
-    lm_head can run linear_int8 on these very buffers."""
+    Either is the linear format (int8 / bf16) of the same [vocab, hidden] matrix, so a tied
+    lm_head can run linear_int8 / linear_bf16 on these very buffers."""
 
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor):
+    def __init__(self, qweight: torch.Tensor, scales: Optional[torch.Tensor]):
         super().__init__()
         self.num_embeddings, self.embedding_dim = qweight.shape
-        self.register_buffer("qweight", qweight)                      # int8 [V, H]
-        self.register_buffer("scales", scales)                        # float32 [V]
+        self.scheme = "bf16" if scales is None else "int8"
+        self.register_buffer("qweight", qweight)                      # int8 / bf16 [V, H]
+        self.register_buffer("scales", scales)                        # float32 [V] or None
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding) -> "QuantEmbedding":
+    def from_embedding(cls, emb: nn.Embedding, scheme: str = "int8") -> "QuantEmbedding":
+        if scheme == "bf16":
+            return cls(emb.weight.detach().to(torch.bfloat16).contiguous(), None)
         q, s = formats.quantize_int8(emb.weight)
         return cls(q, s)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return self.qweight[ids].float()                                 # [T, H] float32
         return self.qweight[ids].float() * self.scales[ids].unsqueeze(-1)   # [T, H] float32
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, int8 per row"
+        what = "bf16" if self.scales is None else "int8 per row"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {what}"
 
 
 __all__ = ["QuantEmbedding", "QuantLinear", "ops"]

@@ -3,6 +3,7 @@
     kiln::linear_int8(x, qweight int8 [N,K], scales [N], bias?)                -> [M, N]
     kiln::linear_int4(x, qweight uint8 [N,K/2], scales [N,K/G], zeros [N,K/G], G, bias?)
     kiln::linear_fp8 (x, qweight float8_e4m3fn [N,K], scales [N], bias?)       -> [M, N]
+    kiln::linear_bf16(x, weight bfloat16 [N,K], bias?)                          -> [M, N]
 
 x is [M, K] float32 or bfloat16; the output has x's dtype. Layouts: plugins/quant/formats.py.
 The references below are registered for CompositeExplicitAutograd (any device); the compiled
@@ -23,6 +24,7 @@ SCHEMAS = {
     "linear_int4": ("linear_int4(Tensor x, Tensor qweight, Tensor scales, Tensor zeros, "
                     "int group_size, Tensor? bias) -> Tensor"),
     "linear_fp8": "linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
+    "linear_bf16": "linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
 }
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
@@ -47,7 +49,12 @@ def linear_fp8_reference(x, qweight, scales, bias=None):
     return _linear(x, formats.dequantize_fp8(qweight, scales), bias)
 
 
+def linear_bf16_reference(x, weight, bias=None):
+    return _linear(x, weight.float(), bias)
+
+
 _lib.impl("linear_int8", linear_int8_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_bf16", linear_bf16_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int4", linear_int4_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_fp8", linear_fp8_reference, "CompositeExplicitAutograd")
 
@@ -72,10 +79,16 @@ def _linear_fp8_fake(x, qweight, scales, bias):
     return _out_fake(x, qweight.shape[0])
 
 
+@torch.library.register_fake("kiln::linear_bf16")
+def _linear_bf16_fake(x, weight, bias):
+    return _out_fake(x, weight.shape[0])
+
+
 REFERENCES = {
     "int8": linear_int8_reference,
     "int4": linear_int4_reference,
     "fp8": linear_fp8_reference,
+    "bf16": lambda x, qweight, scales, bias=None: linear_bf16_reference(x, qweight, bias),
 }
 
 
@@ -86,4 +99,6 @@ def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
         return torch.ops.kiln.linear_int8(x, qw.qweight, qw.scales, bias)
     if qw.scheme == "fp8":
         return torch.ops.kiln.linear_fp8(x, qw.qweight, qw.scales, bias)
+    if qw.scheme == "bf16":
+        return torch.ops.kiln.linear_bf16(x, qw.qweight, bias)
     return torch.ops.kiln.linear_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias)

@@ -73,9 +73,9 @@ def test_plan_records_precision_and_accuracy(quant_plans, prec):
     assert acc["max_ppl_increase"] == {"int8": 0.03, "int4": 0.15, "fp8": 0.05, "bf16": 0.01}[prec]
     assert 0.5 < acc["top1_agreement"] <= 1.0
     assert acc["reference_top1"] in m["files"]
-    if prec == "bf16":
-        assert q["scheme"] is None and m["engine"]["plugins"] == ["paged_kv"]
-        return
+    if prec == "bf16":   # weight-only: every weight bf16 (embedding too), float32 compute
+        assert q["embedding"] == "bf16" and q["bf16_compute"] == "upcast-fp32"
+        assert q["kept"] == [] and m["kv_cache"]["dtype"] == "bf16"
     assert q["scheme"] == prec and "quant" in m["engine"]["plugins"]
     assert any(k.endswith(".so") and "quant" in k for k in m["engine"]["kernels"])
     assert m["check"]["max_logit_diff"] <= m["check"]["tolerance"]
@@ -214,6 +214,8 @@ def test_group_size_that_does_not_divide_names_setting_and_layer(tmp_path):
     ({"weights": "fp8", "activations": "fp8"}, "precision.activations",
      "fp8 activations need a GPU with FP8"),
     ({"weights": "int8", "kv_cache": "fp16"}, "precision.kv_cache", "no paged-attention kernel"),
+    ({"weights": "bf16", "keep_high_precision": []}, "precision.keep_high_precision",
+     "a bf16 plan stores every weight bf16"),
     ({"weights": "int8", "kv_cache": "int4"}, "precision.kv_cache", "'int4' is not allowed"),
 ])
 def test_bad_precision_settings_are_named(precision, path, message):

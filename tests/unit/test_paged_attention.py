@@ -149,7 +149,7 @@ def test_quantized_rows_round_trip(name, bound):
     """encode/decode of K/V rows: error within half a step of the row's scale (int8) or the
     E4M3 relative step; outlier rows and all-zero rows included."""
     dt = kv_format.storage_dtype(name)
-    x = torch.randn(64, 4, 64)
+    x = torch.randn(64, 4, 64, generator=torch.Generator().manual_seed(0))
     x[3, 1, 7] = 300.0          # an outlier: only its own row gets a coarse scale
     x[5, 2] = 0.0               # an all-zero row: scale 0, decodes to zeros
     rows = kv_format.encode(x, dt)
@@ -162,7 +162,8 @@ def test_quantized_rows_round_trip(name, bound):
     else:   # E4M3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormal floor
         assert (err <= bound * x.abs() + amax / 448 * 2 ** -9 + 1e-6).all()
     assert torch.equal(y[5, 2], torch.zeros(64))
-    assert (err[3, 0] < 0.1).all()
+    if name == "int8":          # the outlier's neighbour rows keep their fine steps
+        assert err[3, 0].max() < 0.05 < err[3, 1].max()
 
 
 def test_quantized_pool_holds_more_tokens():

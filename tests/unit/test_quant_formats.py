@@ -6,7 +6,8 @@ from plugins.quant import formats
 
 pytestmark = pytest.mark.unit
 
-SCHEMES = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
+SCHEMES = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64), ("int4", 128),
+           ("bf16", None)]
 
 
 def _weights(kind: str, n=48, k=256) -> torch.Tensor:
@@ -52,7 +53,7 @@ def test_relative_error_on_gaussian_weights(scheme, gs):
     w = _weights("random", 256, 512)
     deq = formats.dequantize(formats.quantize(w, scheme, gs))
     rel = ((w - deq).norm() / w.norm()).item()
-    limit = {"int8": 0.01, "fp8": 0.04, "int4": 0.12}[scheme]
+    limit = {"int8": 0.01, "fp8": 0.04, "int4": 0.12, "bf16": 0.003}[scheme]
     assert rel < limit, f"{scheme}: relative Frobenius error {rel:.4f} >= {limit}"
 
 
@@ -118,7 +119,7 @@ def _run(model, T=8, bs=4):
                      caches[:cfg.num_layers], caches[cfg.num_layers:])
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8", "bf16"])
 def test_quantize_model_swaps_linears_and_keeps_outputs_close(scheme):
     from builder.quantize import quantize_model
     from plugins.quant.modules import QuantLinear
@@ -133,7 +134,23 @@ def test_quantize_model_swaps_linears_and_keeps_outputs_close(scheme):
     assert report["bytes_after"] < report["bytes_before"]
     out = _run(model)
     rel = ((out - ref).norm() / ref.norm()).item()
-    assert rel < {"int8": 0.02, "fp8": 0.06, "int4": 0.25}[scheme], rel
+    assert rel < {"int8": 0.02, "fp8": 0.06, "int4": 0.25, "bf16": 0.005}[scheme], rel
+
+
+def test_bf16_model_stores_every_weight_bf16_and_the_tied_head_shares_the_table():
+    from builder.quantize import quantize_model
+    from plugins.quant.modules import QuantEmbedding
+    model = _tiny_llama()
+    ref = _run(model)
+    report = quantize_model(model, "bf16", keep_high_precision=())
+    assert report["embedding"] == "bf16" and report["bf16_compute"] == "upcast-fp32"
+    assert isinstance(model.tok_embeddings, QuantEmbedding)
+    assert model.tok_embeddings.qweight.dtype == torch.bfloat16
+    assert model.output.qweight is model.tok_embeddings.qweight
+    assert report["lm_head"] == "bf16 (the tied embedding's table)"
+    assert report["bytes_after"] * 2 <= report["bytes_before"]
+    out = _run(model)
+    assert ((out - ref).norm() / ref.norm()).item() < 0.005
 
 
 def test_quantize_model_group_size_error_names_layer_and_group_size():

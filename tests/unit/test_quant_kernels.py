@@ -1,4 +1,4 @@
-"""The compiled CPU kernels of kiln::linear_{int8,int4,fp8} against their references, and
+"""The compiled CPU kernels of kiln::linear_{int8,int4,fp8,bf16} against their references, and
 QuantLinear through torch.export / AOTInductor."""
 import pytest
 import torch
@@ -37,11 +37,12 @@ def _check(x, w, scheme, gs, bias=None):
 
 
 def test_kernels_are_registered_for_cpu():
-    for name in ("linear_int8", "linear_int4", "linear_fp8"):
+    for name in ("linear_int8", "linear_int4", "linear_fp8", "linear_bf16"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{name}", "CPU")
 
 
-@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64)])
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64),
+                                       ("bf16", None)])
 @pytest.mark.parametrize("n,k", SMOLLM2_SHAPES)
 @pytest.mark.parametrize("m", BATCHES)
 def test_kernel_matches_reference_smollm2_shapes(m, n, k, scheme, gs):
@@ -49,7 +50,8 @@ def test_kernel_matches_reference_smollm2_shapes(m, n, k, scheme, gs):
     _check(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) * 0.05, scheme, gs)
 
 
-@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 128)])
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 128),
+                                       ("bf16", None)])
 @pytest.mark.parametrize("m", [1, 3, 8, 33])
 @pytest.mark.parametrize("n,k", [(1, 128), (37, 256), (129, 384)])
 def test_kernel_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
@@ -58,7 +60,7 @@ def test_kernel_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
            bias=torch.randn(n, generator=g))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("m", [1, 5, 17])
 @pytest.mark.parametrize("k", [1, 7, 70, 577])
 def test_int8_fp8_kernel_k_not_multiple_of_32(m, k, scheme):
@@ -66,7 +68,8 @@ def test_int8_fp8_kernel_k_not_multiple_of_32(m, k, scheme):
     _check(torch.randn(m, k, generator=g), torch.randn(19, k, generator=g), scheme, None)
 
 
-@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64)])
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64),
+                                       ("bf16", None)])
 @pytest.mark.parametrize("m", [1, 17])
 def test_kernel_bf16_activations(m, scheme, gs):
     g = torch.Generator().manual_seed(m)
@@ -74,7 +77,8 @@ def test_kernel_bf16_activations(m, scheme, gs):
     _check(x, torch.randn(960, 576, generator=g) * 0.05, scheme, gs)
 
 
-@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64)])
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64),
+                                       ("bf16", None)])
 @pytest.mark.parametrize("m", [1, 33])
 def test_kernel_matches_reference_lm_head(m, scheme, gs):
     g = torch.Generator().manual_seed(1)
@@ -88,7 +92,7 @@ def test_kernel_adversarial_weights():
     w[3, 5] = 300.0
     w[7] *= 1e-30
     x = torch.randn(5, 256)
-    for scheme, gs in [("int8", None), ("fp8", None), ("int4", 32)]:
+    for scheme, gs in [("int8", None), ("fp8", None), ("int4", 32), ("bf16", None)]:
         _check(x, w, scheme, gs)
 
 
@@ -124,7 +128,8 @@ class _Tiny(nn.Module):
         return self.l2(torch.relu(self.l1(x)))
 
 
-@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32)])
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32),
+                                       ("bf16", None)])
 def test_quant_linear_exports_and_runs(scheme, gs):
     m = _Tiny(scheme, gs).eval()
     x = torch.randn(5, 64)

@@ -79,6 +79,19 @@ inline void load_row(const cache_t* src, float* dst, int64_t D) {
   to_float(src, dst, D);
 }
 
+// bf16 -> float by bits: the 16 bits become the high half of a float32.
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
+  int64_t d = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  for (; d + 8 <= D; d += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
 template <>
 inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t D) {
   const float s = row_scale(src, D);

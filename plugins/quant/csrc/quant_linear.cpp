@@ -1,4 +1,4 @@
-// CPU kernels for kiln::linear_int8 / linear_int4 / linear_fp8 (schemas: plugins/quant/ops.py,
+// CPU kernels for kiln::linear_int8 / int4 / fp8 / bf16 (schemas: plugins/quant/ops.py,
 // layouts: plugins/quant/formats.py). Registered for the CPU key, so they override the
 // dequantize-then-matmul references once this library is loaded.
 //
@@ -82,6 +82,27 @@ struct Fp8Dec {
       w[2 * h] = _mm256_cvtph_ps(_mm256_castsi256_si128(v));
       w[2 * h + 1] = _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1));
     }
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    for (int j = 0; j < kBlock; ++j) w[j] = tail(n, k + j);
+  }
+};
+
+// bf16 -> float32 by bits: the 16 bits become the high half of a float32.
+struct Bf16Dec {
+  const uint16_t* q;
+  int64_t K;
+  float row_scale(int64_t) const { return 1.0f; }
+  float tail(int64_t n, int64_t k) const {
+    return float(c10::BFloat16(q[n * K + k], c10::BFloat16::from_bits()));
+  }
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const uint16_t* p = q + n * K + k;
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j))), 16));
   }
 #endif
   inline void decode_scalar(int64_t n, int64_t k, float* w) const {
@@ -305,6 +326,16 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::
   return run(d, x, N, K, bias, op);
 }
 
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_bf16";
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              op, ": weight must be contiguous bfloat16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  Bf16Dec d{static_cast<const uint16_t*>(weight.data_ptr()), K};
+  return run(d, x, N, K, bias, op);
+}
+
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size,
                        const c10::optional<at::Tensor>& bias) {
@@ -330,4 +361,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_fp8", &linear_fp8);
+  m.impl("linear_bf16", &linear_bf16);
 }

@@ -81,7 +81,8 @@ def quick_key(spec: Spec) -> str | None:
     except metadata.PackageNotFoundError:
         return None
     data = {"spec": spec.canonical(), "files": stats, "kiln": kiln.__version__,
-            "torch": torch_version, "cpu": _cpu_flags_digest(), "format": 1}
+            "torch": torch_version, "cpu": _cpu_flags_digest(),
+            "format": kiln.PLAN_FORMAT_VERSION}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -91,8 +92,11 @@ def quick_up_to_date(spec: Spec, out: Path) -> dict | None:
         manifest = json.loads((out / "plan.json").read_text())
     except (OSError, ValueError):
         return None
+    import kiln
+
     key = quick_key(spec)
-    if key is None or manifest.get("quick_key") != key:
+    if key is None or manifest.get("quick_key") != key \
+            or manifest.get("format_version") != kiln.PLAN_FORMAT_VERSION:
         return None
     for rel, meta in manifest.get("files", {}).items():
         f = out / rel

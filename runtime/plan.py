@@ -16,7 +16,12 @@ from typing import Any, Callable
 
 import torch
 
-FORMAT_VERSION = 1
+from kiln import PLAN_FORMAT_VERSION as FORMAT_VERSION
+
+# Plan format versions:
+# 1: kiln 0.1-0.2.
+# 2: kv_cache.dtype may be int8/fp8 (pool rows of codes + a scale: plugins/paged_kv/kv_format)
+#    and bf16 plans run the quant plugin's linear_bf16; a version-1 runtime could not run them.
 MANIFEST = "plan.json"
 
 # CPU ISA names (as AOTInductor's cpu_vec_isa names them) -> /proc/cpuinfo flags they need.

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_plan_layout(tiny_plan):
     m = json.loads((tiny_plan / "plan.json").read_text())
-    assert m["format_version"] == 1 and m["name"] == "tiny-random"
+    assert m["format_version"] == 2 and m["name"] == "tiny-random"
     assert len(m["fingerprint"]) == 64
     for rel in ("engine.pt2", "tokenizer.json", "generation.json"):
         assert rel in m["files"] and (tiny_plan / rel).is_file()

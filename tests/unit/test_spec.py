@@ -27,6 +27,22 @@ def test_minimal_spec_fills_defaults():
     assert spec.limits.input_len == spec.limits.max_seq_len - 1
 
 
+@pytest.mark.parametrize("precision,kv,limit", [
+    ("{weights: fp32}", "fp32", None),                       # no gate unless asked
+    ("{weights: fp32, kv_cache: int8}", "int8", 0.02),       # the KV cache's share alone
+    ("{weights: fp32, kv_cache: fp8}", "fp8", 0.04),
+    ("{weights: int8}", "bf16", 0.03),
+    ("{weights: int8, kv_cache: int8}", "int8", 0.05),       # weights' share + KV's
+    ("{weights: fp8, kv_cache: fp8}", "fp8", 0.09),
+    ("{weights: bf16}", "bf16", 0.01),
+])
+def test_default_gate_adds_the_kv_cache_share(precision, kv, limit):
+    spec = parse_spec(BASE + f"precision: {precision}\n")
+    assert spec.kv_dtype == kv and spec.max_ppl_increase == limit
+    spec = parse_spec(BASE + f"precision: {precision}\naccuracy: {{max_ppl_increase: 0.5}}\n")
+    assert spec.max_ppl_increase == 0.5
+
+
 def test_unknown_key_names_its_path():
     probs, msg = problems(BASE + "limits: {max_batch: 4}\n")
     assert "limits.max_batch" in probs

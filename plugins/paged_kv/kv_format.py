@@ -15,7 +15,8 @@ same bytes.
 """
 from __future__ import annotations
 
-# Name-level facts need no torch (`kiln inspect` and the CI planner import this module).
+# Name-level facts (sizes for pool accounting and `kiln inspect`) are plain arithmetic; the
+# tensor functions below import torch when called.
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
 QUANTIZED = ("int8", "fp8")
 SCALE_BYTES = 4

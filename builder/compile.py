@@ -148,7 +148,7 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kern
     # KV cache amplifies it most: a K/V value that moves by an ulp can land on the other
     # side of a rounding boundary, one code step (1/127 of the row's max, or 1/16 of the
     # value for E4M3) — SmolLM2 int8: 0.06. A broken scale or layout is off by whole units.
-    if kv_dtype in ("int8", "fp8"):
+    if kv_dtype in kv_format.QUANTIZED:
         tol = 0.25 if kv_dtype == "int8" else 0.5
     elif kv_dtype == "fp32" and spec.precision.weights == "fp32":
         tol = 1e-3

@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from plugins.paged_kv import kv_format
 from runtime.executor import Executor, KVLayout, ModelInput
 from runtime.plan import Plan, load_step_fn
 
@@ -192,7 +193,8 @@ def gate_message(acc: dict, name: str, weights: str, kv_cache: str = "fp32") -> 
     """None when the gate passes, else the build's error message."""
     if acc["passed"]:
         return None
-    what = f"{weights} weights" + (f", {kv_cache} KV cache" if kv_cache in ("int8", "fp8") else "")
+    what = f"{weights} weights" + (f", {kv_cache} KV cache" if kv_cache in kv_format.QUANTIZED
+                                   else "")
     return (f"accuracy gate failed for {name} ({what}): perplexity "
             f"{acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized is "
             f"{acc['ppl_increase']:+.2%}, above accuracy.max_ppl_increase "

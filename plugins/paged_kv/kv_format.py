@@ -15,8 +15,8 @@ same bytes.
 """
 from __future__ import annotations
 
-# Name-level facts (sizes for pool accounting and `kiln inspect`) are plain arithmetic; the
-# tensor functions below import torch when called.
+import torch
+
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
 QUANTIZED = ("int8", "fp8")
 SCALE_BYTES = 4
@@ -40,16 +40,12 @@ def bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: int
 
 def storage_dtype(name: str):
     """The torch dtype of a pool of this kv_cache dtype."""
-    import torch
-
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
             "int8": torch.int8, "fp8": torch.float8_e4m3fn}[_check(name)]
 
 
 def qmax(dtype) -> float | None:
     """Largest code of a quantized pool dtype (int8 127, E4M3 448); None for float pools."""
-    import torch
-
     return {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}.get(dtype)
 
 
@@ -65,23 +61,14 @@ def pool_shape(name: str, num_blocks: int, tokens_per_block: int, num_kv_heads: 
 def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int,
               num_kv_heads: int, head_dim: int, device="cpu"):
     """Zeroed (k_caches, v_caches): one pool per layer for K and for V."""
-    import torch
-
     shape = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
     dt = storage_dtype(name)
     return ([torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)],
             [torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)])
 
 
-def head_dim_of(pool) -> int:
-    """D of a pool (its last dim, less the scale bytes when quantized)."""
-    return pool.shape[-1] - (SCALE_BYTES if is_quantized(pool.dtype) else 0)
-
-
 def encode(x, dtype):
     """Rows x [..., D] as pool rows of `dtype` ([..., D] float, or [..., D + 4] codes+scale)."""
-    import torch
-
     top = qmax(dtype)
     if top is None:
         return x.to(dtype)
@@ -101,8 +88,6 @@ def encode(x, dtype):
 
 def decode(rows):
     """Pool rows [..., row_width] -> float32 [..., D]."""
-    import torch
-
     if not is_quantized(rows.dtype):
         return rows.float()
     D = rows.shape[-1] - SCALE_BYTES

@@ -50,16 +50,7 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = x2 * self.input_scale.to(x2.dtype)
-        bias = self.bias
-        if self.scheme == "int8":
-            y = torch.ops.kiln.linear_int8(x2, self.qweight, self.scales, bias)
-        elif self.scheme == "fp8":
-            y = torch.ops.kiln.linear_fp8(x2, self.qweight, self.scales, bias)
-        elif self.scheme == "bf16":
-            y = torch.ops.kiln.linear_bf16(x2, self.qweight, bias)
-        else:
-            y = torch.ops.kiln.linear_int4(x2, self.qweight, self.scales, self.zeros,
-                                           self.group_size, bias)
+        y = ops.quant_linear(x2, self.quantized_weight(), self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -84,10 +75,8 @@ class QuantEmbedding(nn.Module):
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, scheme: str = "int8") -> "QuantEmbedding":
-        if scheme == "bf16":
-            return cls(emb.weight.detach().to(torch.bfloat16).contiguous(), None)
-        q, s = formats.quantize_int8(emb.weight)
-        return cls(q, s)
+        qw = formats.quantize(emb.weight, scheme)
+        return cls(qw.qweight, qw.scales)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.scales is None:

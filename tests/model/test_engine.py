@@ -79,7 +79,7 @@ def test_thousand_random_requests_end_once_and_free_all_blocks(model):
     t0 = time.monotonic()
     with tiny_engine(model=model, num_blocks=96, max_batch_size=32, max_num_tokens=96,
                      max_queue=2000) as eng:
-        jobs, cancels = [], []
+        jobs, cancels, immediate = [], [], set()
         for i in range(1000):
             prompt = [rng.randrange(256) for _ in range(rng.randint(1, 40))]
             params = random_params(rng)
@@ -88,6 +88,7 @@ def test_thousand_random_requests_end_once_and_free_all_blocks(model):
             if rng.random() < 0.2:   # cancelled at once, or later from another thread
                 if rng.random() < 0.3:
                     stream.cancel()
+                    immediate.add(i)
                 else:
                     cancels.append((rng.uniform(0, 3.0), stream))
         cancels.sort(key=lambda c: c[0])
@@ -100,11 +101,13 @@ def test_thousand_random_requests_end_once_and_free_all_blocks(model):
         thread = threading.Thread(target=canceller)
         thread.start()
         reasons = []
-        for stream, params in jobs:
+        for i, (stream, params) in enumerate(jobs):
             outs = list(stream)
             assert sum(o.finished for o in outs) == 1 and outs[-1].finished
             last = outs[-1]
             reasons.append(last.finish_reason)
+            if i in immediate:   # cancelled right after submit, long before its turn
+                assert last.finish_reason == "cancelled", i
             assert last.finish_reason in ("stop", "length", "cancelled")
             n = sum(len(o.token_ids) for o in outs)
             assert last.usage.completion_tokens == n
@@ -114,7 +117,10 @@ def test_thousand_random_requests_end_once_and_free_all_blocks(model):
         time.sleep(0.1)
         stats = eng.stats()
     assert stats["requests_finished"] == 1000
-    assert reasons.count("cancelled") > 100 and reasons.count("stop") > 10
+    # How many of the later cancels land before their request ends depends on the machine's
+    # speed; the ones cancelled at submission always do.
+    assert len(immediate) > 40 and reasons.count("cancelled") >= len(immediate)
+    assert reasons.count("stop") > 10
     assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["running"] == stats["waiting"] == 0
     assert time.monotonic() - t0 < 120

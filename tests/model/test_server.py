@@ -210,6 +210,11 @@ def test_unknown_model_and_bad_requests_in_a_stream(kiln_server):
 
 # ---- cancellation ----------------------------------------------------------------------------
 def test_cancelled_streams_free_their_blocks(kiln_server):
+    def outcomes_of(m):
+        return {k: v for k, v in m.items() if k.startswith("kiln_requests_total{")}
+
+    before = outcomes_of(kiln_server.metrics())
+
     async def one(stub, i):
         req = pb.GenerateRequest(prompt=f"stream {i} " * 3,
                                  sampling=pb.SamplingParams(max_tokens=120, temperature=0))
@@ -266,8 +271,15 @@ def test_cancelled_streams_free_their_blocks(kiln_server):
     assert m["kiln_kv_blocks_used"] == 0 and m["kiln_running_requests"] == 0
     assert m["kiln_requests_in_flight"] == 0 and m["kiln_queue_length"] == 0
     assert m["kiln_generated_tokens_total"] > 48 * 120
-    # (the deadline request may expire before it reaches the engine: not counted here)
-    assert m['kiln_requests_total{outcome="cancelled"}'] >= 16 + 4
+    # Every request the server accepted is counted once, by how it ended. Which outcome a
+    # client-cancelled one gets is a race the test cannot fix: when the client reads slower than
+    # the server generates, the server finishes it ("length") before the cancel arrives (a CI
+    # run counted 13 cancelled of 20). The deadline request is counted only if it reached the
+    # engine before it expired, and a KServe request the stream had read but not yet started
+    # when the client cancelled never reaches the engine (the stream's first one always does).
+    delta = {k: v - before.get(k, 0) for k, v in outcomes_of(m).items()}
+    assert 64 + 1 <= sum(delta.values()) <= 64 + 4 + 1, delta
+    assert 48 <= delta.get('kiln_requests_total{outcome="length"}', 0) <= 64 + 4, delta
 
 
 def test_cli_generate_url_chat_refusal_and_loadgen(kiln_server, tmp_path):

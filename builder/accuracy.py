@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
+from plugins.paged_kv import kv_format
 from runtime import accuracy as racc
 from runtime.executor import ModelInput
 
@@ -47,10 +48,9 @@ def evaluate_eager(model: torch.nn.Module, ids: list[int], window: int,
     """Scores ids with the eager model: one forward per window, logits for every position."""
     cfg = model.cfg
     blocks = -(-window // tokens_per_block)
-    shape = (blocks + 1, tokens_per_block, cfg.num_kv_heads, cfg.head_dim)
-    dtype = next(model.parameters()).dtype
-    kc = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
-    vc = [torch.zeros(shape, dtype=dtype) for _ in range(cfg.num_layers)]
+    kc, vc = kv_format.new_pools(kv_format.name_of(next(model.parameters()).dtype),
+                                 cfg.num_layers, blocks + 1, tokens_per_block,
+                                 cfg.num_kv_heads, cfg.head_dim)
     table = list(range(1, blocks + 1))
     nll, count, top1 = 0.0, 0, []
     for win in racc.windows(ids, window):

@@ -38,10 +38,21 @@ def bytes_per_token(name: str, num_layers: int, num_kv_heads: int, head_dim: int
     return 2 * num_layers * num_kv_heads * row_width(name, head_dim) * ELEMENT_BYTES[name]
 
 
+_STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+            "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
 def storage_dtype(name: str):
     """The torch dtype of a pool of this kv_cache dtype."""
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-            "int8": torch.int8, "fp8": torch.float8_e4m3fn}[_check(name)]
+    return _STORAGE[_check(name)]
+
+
+def name_of(dtype) -> str:
+    """The kv_cache name of a pool dtype (torch.float32 -> "fp32")."""
+    for name, dt in _STORAGE.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"no kv_cache dtype stores {dtype}")
 
 
 def qmax(dtype) -> float | None:

@@ -65,8 +65,9 @@ async def drive_engine(engine, prompts, params, concurrency) -> tuple[int, float
     return tokens, time.perf_counter() - t0
 
 
-def grpc_round(args, prompts_out: list) -> dict:
-    """Starts `kiln serve`, drives it with the load generator, stops it: its report."""
+def grpc_round(args) -> tuple[dict, list[str]]:
+    """Starts `kiln serve`, drives it with the load generator, stops it: (its report, the
+    prompts it sent)."""
     from runtime.server.loadgen import _workload, run_loadgen
 
     port, mport = free_port(), free_port()
@@ -76,11 +77,9 @@ def grpc_round(args, prompts_out: list) -> dict:
     try:
         wait_serving(port, proc)
         url = f"127.0.0.1:{port}"
-        if not prompts_out:
-            prompts_out.extend(_workload(url, args.requests, args.output_len, (16, 128), 0,
-                                         None)[1])
+        _, prompts, _ = _workload(url, args.requests, args.output_len, (16, 128), 0, None)
         return run_loadgen(url, requests=args.requests, output_len=args.output_len,
-                           concurrencies=(args.concurrency,), seed=0)
+                           concurrencies=(args.concurrency,), seed=0), prompts
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -101,12 +100,11 @@ def main() -> None:
     from runtime.engine import Engine
     from runtime.sampling import SamplingParams
 
-    prompts: list = []
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len,
                             temperature=0.0)
     rounds = []
     for r in range(args.rounds):
-        grpc_report = grpc_round(args, prompts)       # the engine below is not loaded yet
+        grpc_report, prompts = grpc_round(args)       # the engine below is not loaded yet
         engine = Engine.from_plan(args.plan)
         try:
             asyncio.run(drive_engine(engine, prompts[:2], SamplingParams(max_tokens=8), 2))

@@ -73,6 +73,18 @@ class ServerProcess:
                 out[name] = float(value)
         return out
 
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Poll /metrics until no KV block is used and no request runs or is in flight; those
+        metrics. AssertionError (with them) when that takes longer than timeout seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if (m["kiln_kv_blocks_used"], m["kiln_running_requests"],
+                    m["kiln_requests_in_flight"]) == (0, 0, 0):
+                return m
+            assert time.monotonic() < deadline, m
+            time.sleep(0.02)
+
     def log(self) -> str:
         return self.log_path.read_text()[-4000:] if self.log_path else ""
 

@@ -251,14 +251,7 @@ def test_32_streaming_chats_a_quarter_closed_early_free_all_blocks(server):
     cancelled = server.labelled("kiln_requests_total", 'outcome="cancelled"')
     results = asyncio.run(main())
     assert results.count("closed") == 8 and results.count("length") == 24, results
-    deadline = time.monotonic() + 10
-    while True:
-        m = server.http_metrics()
-        if m["kiln_kv_blocks_used"] == 0 and m["kiln_requests_in_flight"] == 0:
-            break
-        assert time.monotonic() < deadline, m
-        time.sleep(0.05)
-    assert m["kiln_running_requests"] == 0 and m["kiln_queue_length"] == 0
+    assert server.wait_idle()["kiln_queue_length"] == 0
     # a stream the engine finished before its client left is not cancelled: at least one is
     assert server.labelled("kiln_requests_total", 'outcome="cancelled"') > cancelled
 
@@ -274,12 +267,6 @@ def test_non_streamed_request_of_a_gone_client_is_cancelled(server):
             f"Authorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
 
-    def idle():
-        deadline = time.monotonic() + 10
-        while (m := server.http_metrics())["kiln_requests_in_flight"] or m["kiln_kv_blocks_used"]:
-            assert time.monotonic() < deadline, m
-            time.sleep(0.02)
-
     for _ in range(5):
         cancelled = server.labelled("kiln_requests_total", 'outcome="cancelled"')
         with socket.create_connection(("127.0.0.1", server.http_port)) as sock:
@@ -290,7 +277,7 @@ def test_non_streamed_request_of_a_gone_client_is_cancelled(server):
                     break
                 assert time.monotonic() < deadline, "the request never reached the engine"
                 time.sleep(0.005)
-        idle()                             # the socket is closed: the client has gone
+        server.wait_idle()                 # the socket is closed: the client has gone
         if not answered:
             break
     else:

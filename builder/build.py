@@ -77,11 +77,23 @@ def check_build_machine(spec: Spec) -> None:
                      "not built yet. Set target.device: cpu.")
 
 
-def plan_fingerprint(spec: Spec, ckpt) -> tuple[str, dict]:
+def plan_fingerprint(spec: Spec, ckpt, target: dict | None = None) -> tuple[str, dict]:
     from builder.fingerprint import fingerprint, fingerprint_inputs
 
-    inputs = fingerprint_inputs(spec, ckpt.weights_digest)
+    inputs = fingerprint_inputs(spec, ckpt.weights_digest, target)
     return fingerprint(inputs), inputs
+
+
+def resolve_target(spec: Spec) -> dict:
+    """The manifest's target for this spec on this machine; BuildError when it cannot be built
+    here (a CPU ISA whose features this machine lacks)."""
+    from builder.fingerprint import build_target
+    from builder.target import TargetError
+
+    try:
+        return build_target(spec)
+    except TargetError as e:
+        raise BuildError(str(e)) from None
 
 
 def is_up_to_date(out: Path, fp: str) -> bool:
@@ -120,7 +132,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_build_machine(spec)
     ckpt = open_checkpoint(spec.model)
     check_spec_against_model(spec, ckpt.config)
-    fp, fp_inputs = plan_fingerprint(spec, ckpt)
+    target = resolve_target(spec)
+    fp, fp_inputs = plan_fingerprint(spec, ckpt, target)
     if not force and is_up_to_date(out, fp):
         from runtime.plan import read_manifest
 
@@ -132,7 +145,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        manifest = _build_into(tmp, spec, spec_path, ckpt, fp, fp_inputs, progress)
+        manifest = _build_into(tmp, spec, spec_path, ckpt, target, fp, fp_inputs, progress)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -152,12 +165,13 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict,
-                progress: Progress) -> dict:
+def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
+                fp_inputs: dict, progress: Progress) -> dict:
     import torch
 
     from builder import compile as kcompile
-    from builder.fingerprint import build_target, toolchain
+    from builder.fingerprint import toolchain
+    from plugins import isa as cpu_isa
     from builder.sources import load_model, resolve_source
     from runtime.plan import FORMAT_VERSION, MANIFEST, sha256_file
 
@@ -177,8 +191,12 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
         gate.compute_reference(model)
     quant_info = _quantize(model, spec, ckpt, progress)
 
-    progress.stage("building kernels")
-    kernels = kcompile.build_kernels(tmp / "kernels", spec)
+    level = None if spec.target.is_gpu else cpu_isa.level(target["isa"])
+    progress.stage(f"building kernels (CPU ISA {level.name})" if level else "building kernels")
+    kernels = kcompile.build_kernels(tmp / "kernels", spec, level)
+    kernel_paths = kcompile.kernel_paths(tmp, kernels, level)
+    for lib, path in kernel_paths.items():
+        progress.stage(f"kernel {lib}: {path}")
 
     limits = spec.limits
     max_blocks = math.ceil(limits.max_seq_len / spec.kv_cache.tokens_per_block)
@@ -188,7 +206,8 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
                                 spec.kv_cache.tokens_per_block, kv_dtype)
     progress.stage("compiling ahead of time (AOTInductor)" if spec.target.backend == "aoti"
                    else "saving the exported program (eager backend)")
-    engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend)
+    engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend,
+                                          level)
     del captured
 
     progress.stage("checking the compiled step against the eager model")
@@ -223,7 +242,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
             else resolve_source(spec.model.source),
             "weights_digest": ckpt.weights_digest,
         },
-        "target": build_target(spec),
+        "target": target,
         "toolchain": toolchain(),
         "precision": {"weights": spec.precision.weights, "kv_cache": kv_dtype,
                       "activations": spec.precision.activations, "quantization": quant_info},
@@ -234,6 +253,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, fp: str, fp_inputs: dict
         "scheduler": spec.scheduler.model_dump(mode="json"),
         "engine": {"backend": spec.target.backend, "file": engine_file.name,
                    "kernels": [k.relative_to(tmp).as_posix() for k in kernels],
+                   "kernel_paths": kernel_paths,
                    "plugins": kcompile.engine_plugins(spec),
                    "inputs": list(kcompile.INPUT_NAMES)},
         "check": check,

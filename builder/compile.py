@@ -6,12 +6,14 @@ sizes the KV pool from its memory budget at load without a rebuild.
 """
 from __future__ import annotations
 
+import contextlib
 import shutil
 from pathlib import Path
 
 import torch
 from torch.export import Dim
 
+from plugins.isa import IsaLevel
 from plugins.paged_kv import kv_format
 from runtime.executor import ModelInput
 
@@ -24,18 +26,18 @@ def engine_plugins(spec) -> list[str]:
     return ["paged_kv"] + (["quant"] if spec.packed_weights else [])
 
 
-def build_kernels(out_dir: Path, spec) -> list[Path]:
-    """Compile the plugins' C++ kernels for this target and copy them into the plan."""
+def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
+    """Compile the plugins' C++ kernels for the target's ISA level and copy them into the plan."""
     libs = []
     if spec.target.is_gpu:
         return libs
     from plugins.paged_kv import kernels as pa_kernels
 
-    libs.append(pa_kernels.build())
+    libs.append(pa_kernels.build(level))
     if spec.packed_weights:
         from plugins.quant import kernels as q_kernels
 
-        libs.append(q_kernels.build())
+        libs.append(q_kernels.build(level))
     out_dir.mkdir(parents=True, exist_ok=True)
     copied = []
     for lib in libs:
@@ -47,6 +49,22 @@ def build_kernels(out_dir: Path, spec) -> list[Path]:
     for lib in copied:  # registers the kernels in this process (a no-op if already loaded)
         load_library(lib)
     return copied
+
+
+def kernel_paths(plan_dir: Path, kernels: list[Path], level: IsaLevel | None
+                 ) -> dict[str, str]:
+    """{library: the code path it was compiled to}; refuses a scalar kernel at a vector level
+    (a plan must never silently run the fallback on a machine that has vectors)."""
+    from plugins.cpp_build import kernel_path
+
+    paths = {k.relative_to(plan_dir).as_posix(): kernel_path(k) for k in kernels}
+    scalar = [lib for lib, path in paths.items() if path.startswith(("scalar", "unknown"))]
+    if level is not None and level.vector_bits and scalar:
+        raise RuntimeError(f"kernel {', '.join(scalar)} compiled to its scalar path at CPU ISA "
+                           f"{level.name} (flags {' '.join(level.flags)}): its vector path's "
+                           "preprocessor conditions do not hold for these flags. This is a kiln "
+                           "bug; the plan was not written.")
+    return paths
 
 
 def _dim(name: str, lo: int, hi: int):
@@ -97,10 +115,14 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
         return torch.export.export(model, (*inp.args(), kc, vc), dynamic_shapes=dynamic_shapes)
 
 
-def compile_engine(ep, path: Path, backend: str) -> Path:
-    """AOTInductor-compile the exported program into `path` (or save it uncompiled)."""
+def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path:
+    """AOTInductor-compile the exported program into `path` (or save it uncompiled); a CPU
+    plan's code is generated for its ISA level, a GPU plan's (level None) for the device."""
     if backend == "aoti":
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+        from builder.target import inductor_isa
+
+        with inductor_isa(level) if level is not None else contextlib.nullcontext():
+            torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     elif backend == "eager":
         torch.export.save(ep, str(path))
     else:

@@ -16,7 +16,6 @@ import torch
 
 import kiln
 from builder.spec import Spec
-from plugins.cpp_build import cpu_isa
 
 
 def toolchain() -> dict:
@@ -25,13 +24,15 @@ def toolchain() -> dict:
 
 
 def build_target(spec: Spec) -> dict:
-    """The concrete target a plan is compiled for on this build machine."""
+    """The concrete target a plan is compiled for on this build machine (raises
+    builder.target.TargetError when this machine cannot build it)."""
     if spec.target.is_gpu:
         return {"device": spec.target.device, "arch": platform.machine(),
-                "compute_capability": spec.target.compute_capability, "isa": "none"}
-    isa, flags = cpu_isa()
-    return {"device": "cpu", "arch": platform.machine(), "isa": isa, "isa_flags": flags,
-            "compute_capability": None}
+                "compute_capability": spec.target.compute_capability, "isa": "none",
+                "isa_flags": [], "cpu_features": []}
+    from builder.target import cpu_target, resolve_level
+
+    return cpu_target(resolve_level(spec.target.isa, spec.name))
 
 
 def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = None,
@@ -50,7 +51,8 @@ def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = No
         "weights": weights_digest,
         # python is not an input: neither the compiled engine nor the kernels embed it
         "toolchain": {"kiln": tools["kiln"], "torch": tools["torch"]},
-        "target": {k: target.get(k) for k in ("device", "arch", "isa", "compute_capability")},
+        "target": {k: target.get(k) for k in ("device", "arch", "isa", "isa_flags", "cpu_features",
+                                              "compute_capability")},
     }
 
 

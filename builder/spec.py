@@ -103,6 +103,11 @@ class TargetSection(_Strict):
                         "l40s, ...) or a compute capability sm_XY")
     backend: Literal["aoti", "eager"] = Field(default="aoti", description="aoti "
                                               "(AOTInductor, default) or eager (debugging)")
+    isa: str = Field(
+        default="auto", description="CPU vector ISA the plan's code is compiled for: auto (the "
+        "highest this build machine runs), none (scalar), avx2, avx512, avx512_vnni, "
+        "avx512_bf16, amx. A plan runs on any machine with the CPU features it records; "
+        "build for the serving fleet's level when it is below the build machine's")
 
     @field_validator("device")
     @classmethod
@@ -114,6 +119,17 @@ class TargetSection(_Strict):
             return v
         raise ValueError(f"unknown device {v!r}; allowed: cpu, {', '.join(GPU_TARGETS)}, "
                          "or a compute capability like sm_90")
+
+    @field_validator("isa")
+    @classmethod
+    def _isa(cls, v: str) -> str:
+        from plugins import isa
+
+        v = v.strip().lower()
+        if v != isa.AUTO and v not in isa.LEVEL_NAMES:
+            raise ValueError(f"unknown CPU ISA {v!r}; allowed: {isa.AUTO}, "
+                             f"{', '.join(isa.LEVEL_NAMES)}")
+        return v
 
     @property
     def is_gpu(self) -> bool:
@@ -241,8 +257,9 @@ class Spec(_Strict):
             if cc is None or int(cc[3:]) < 89:
                 raise _PathError("precision.activations", f"fp8 activations need a GPU with "
                                  f"FP8 (sm_89 or newer); target is {self.target.device!r}")
-        if self.target.backend == "eager" and self.target.is_gpu:
-            pass
+        if self.target.is_gpu and self.target.isa != "auto":
+            raise _PathError("target.isa", f"{self.target.isa!r}: the CPU ISA applies to cpu "
+                             f"targets; target.device is {self.target.device!r} (leave isa auto)")
         return self
 
     @property

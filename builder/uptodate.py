@@ -50,14 +50,9 @@ def _source_files(source: str) -> list[Path] | None:
 
 
 def _cpu_flags_digest() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return hashlib.sha256(" ".join(sorted(line.split(":", 1)[1].split())).encode()).hexdigest()
-    return "unknown"
+    from plugins.isa import cpu_flags
+
+    return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()
 
 
 def quick_key(spec: Spec) -> str | None:

@@ -2,4 +2,4 @@
 __version__ = "0.3.0"
 # The plan directory format this kiln writes and reads (runtime/plan.py has its history);
 # here, torch-free, so the builder's quick up-to-date check can use it.
-PLAN_FORMAT_VERSION = 2
+PLAN_FORMAT_VERSION = 3

@@ -4,39 +4,36 @@ The builder calls `build_library` and copies the .so into the plan; the runtime 
 `load_library` on the plan's copy before loading the engine. Builds are cached by a hash of
 the sources, flags and torch version, so tests and unchanged rebuilds compile nothing.
 
-The library is compiled for the CPU vector ISA that AOTInductor picks on this machine
-(`cpu_isa()`), so a plan's kernels and its compiled graph need the same instructions.
+The library is compiled for one CPU ISA level (plugins/isa.py), the level the builder also
+pins AOTInductor to, so a plan's kernels and its compiled graph need the same instructions.
+Each kernel source embeds the name of the code path its vector macros selected
+(`KILN_KERNEL_PATH:...`); `kernel_path()` reads it back from the library's bytes, so the
+builder and `kiln inspect` can say which path a plan runs without loading it.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import torch
 
+from plugins import isa as cpu_isa
+
 CACHE_ROOT = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
 
 
-def cpu_isa() -> tuple[str, list[str]]:
-    """(name, compiler flags) of the vector ISA AOTInductor compiles for here: avx512, avx2..."""
-    from torch._inductor import cpu_vec_isa
-
-    isa = cpu_vec_isa.pick_vec_isa()
-    name = str(isa) if isa else "none"
-    flags = isa.build_arch_flags().split() if isa else []
-    return name, flags
-
-
-def build_library(name: str, sources: list[Path], extra_cflags: list[str] | None = None,
+def build_library(name: str, sources: list[Path], level: cpu_isa.IsaLevel | None = None,
                   verbose: bool = False) -> Path:
-    """Compile `sources` into lib<name>.so (cached); returns its path."""
+    """Compile `sources` for an ISA level (default: this machine's) into <name>.so (cached)."""
     from torch.utils import cpp_extension
 
-    _, isa_flags = cpu_isa()
-    cflags = ["-O3", "-std=c++17", "-fopenmp", *isa_flags, *(extra_cflags or [])]
+    level = level or cpu_isa.host_level()
+    cflags = ["-O3", "-std=c++17", "-fopenmp", *cpu_isa.compile_flags(level),
+              *(f"-D{m}" for m in level.macros)]
     h = hashlib.sha256()
     for src in sources:
         h.update(Path(src).read_bytes())
@@ -63,6 +60,16 @@ def build_library(name: str, sources: list[Path], extra_cflags: list[str] | None
     except OSError:  # another process won the race; use its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return lib
+
+
+_PATH_MARK = re.compile(rb"KILN_KERNEL_PATH:([^\x00]{1,200})\x00")
+
+
+def kernel_path(lib: Path) -> str:
+    """The code path a kernel library was compiled to (embedded by its source), e.g.
+    "avx2 decoders" or "scalar"; "unknown" for a library that does not say."""
+    m = _PATH_MARK.search(Path(lib).read_bytes())
+    return m.group(1).decode() if m else "unknown"
 
 
 # Content digests of the libraries loaded in this process: a copy of a library (the plan's

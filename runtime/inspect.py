@@ -46,6 +46,9 @@ def describe(m: dict, path: Path | str = "") -> str:
         ("precision", f"weights {prec['weights']}, kv cache {prec['kv_cache']}, "
                       f"activations {prec['activations']}"),
         ("target", f"{target}, backend {m['engine']['backend']}"),
+        *([("cpu features", " ".join(tgt["cpu_features"]))] if tgt.get("cpu_features") else []),
+        *[(f"kernel", f"{lib}: {path}") for lib, path in
+          m["engine"].get("kernel_paths", {}).items()],
         ("limits", f"batch {lim['max_batch_size']}, seq {lim['max_seq_len']}, input "
                    f"{lim['max_input_len']}, tokens/step {lim['max_num_tokens']}"),
         ("kv cache", f"{kv_line}; {human_bytes(per_tok)}/token"),

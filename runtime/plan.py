@@ -17,24 +17,15 @@ from typing import Any, Callable
 import torch
 
 from kiln import PLAN_FORMAT_VERSION as FORMAT_VERSION
+from plugins import isa as cpu_isa
 
 # Plan format versions:
 # 1: kiln 0.1-0.2.
 # 2: kv_cache.dtype may be int8/fp8 (pool rows of codes + a scale: plugins/paged_kv/kv_format)
 #    and bf16 plans run the quant plugin's linear_bf16; a version-1 runtime could not run them.
+# 3: target.isa is a kiln ISA level (plugins/isa.py) and target.cpu_features lists the CPU
+#    features the compiled code needs (asked of the compiler at build); engine.kernel_paths.
 MANIFEST = "plan.json"
-
-# CPU ISA names (as AOTInductor's cpu_vec_isa names them) -> /proc/cpuinfo flags they need.
-ISA_CPU_FLAGS = {
-    "none": (),
-    "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx512f", "avx512dq", "avx512vl", "avx512bw"),
-    "amx_tile": ("amx_tile", "amx_bf16", "amx_int8", "avx512f"),
-    "asimd": ("asimd",),
-    "neon": ("asimd",),
-    "sve256": ("sve",),
-}
-
 
 class PlanError(RuntimeError):
     """A plan that cannot be loaded here; the message is meant for a person."""
@@ -108,24 +99,14 @@ def rebuild_command(manifest: dict | None, path: Path) -> str:
     return f"kiln build {spec} --force"
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of this machine (Linux /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def machine_target() -> dict:
     """What this machine offers a plan: arch, CPU flags, CUDA compute capability."""
     cc = None
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         cc = f"sm_{major}{minor}"
-    return {"arch": platform.machine(), "cpu_flags": cpu_flags(), "compute_capability": cc}
+    return {"arch": platform.machine(), "cpu_flags": cpu_isa.cpu_flags(),
+            "compute_capability": cc}
 
 
 def check_target(manifest: dict, path: Path, machine: dict | None = None) -> None:
@@ -136,17 +117,22 @@ def check_target(manifest: dict, path: Path, machine: dict | None = None) -> Non
     if target.get("arch") and target["arch"] != machine["arch"]:
         raise PlanError(f"plan {path} was compiled for {target['arch']} CPUs; this machine is "
                         f"{machine['arch']}. Rebuild it here: {fix}")
-    isa = target.get("isa", "none")
-    needed = ISA_CPU_FLAGS.get(isa)
+    needed = target.get("cpu_features")
     if needed is None:
-        raise PlanError(f"plan {path} needs CPU ISA {isa!r}, which this kiln does not know. "
-                        f"Rebuild it here: {fix}")
-    missing = [f for f in needed if f not in machine["cpu_flags"]]
+        raise PlanError(f"plan {path} does not record the CPU features its code needs "
+                        f"(target.cpu_features). Rebuild it with this kiln: {fix}")
+    missing = cpu_isa.missing_features(needed, machine["cpu_flags"])
     if missing:
-        has = sorted(f for f in machine["cpu_flags"] if f.startswith(("avx", "amx", "fma", "sse4")))
-        raise PlanError(f"plan {path} was compiled for CPU ISA {isa} (needs {', '.join(needed)}); "
-                        f"this CPU lacks {', '.join(missing)} (it has {', '.join(has) or 'none'}). "
-                        f"Rebuild the plan on this machine: {fix}")
+        best = cpu_isa.best_level(machine["cpu_flags"])
+        spec = manifest.get("spec_path") or "model_specs/<spec>.yaml"
+        pinned = manifest.get("spec", {}).get("target", {}).get("isa", "auto")
+        how = (f"rebuild it on this machine (target.isa auto resolves to this machine's "
+               f"level, {best.name}): kiln build {spec}" if pinned == "auto" else
+               f"set target.isa: {best.name} (this machine's level) or auto in {spec}, then "
+               f"run: kiln build {spec}")
+        raise PlanError(
+            f"plan {path} was compiled for CPU ISA {target.get('isa')} and needs CPU features "
+            f"{', '.join(needed)}; this CPU lacks {', '.join(missing)}. To serve here, {how}")
     cc = target.get("compute_capability")
     if target.get("device", "cpu") != "cpu":
         if machine["compute_capability"] is None:
@@ -166,10 +152,50 @@ def check_toolchain(manifest: dict, path: Path) -> None:
                         f"{rebuild_command(manifest, path)}")
 
 
+# The plugins a plan's engine may name (imported for their op schemas before it loads).
+KNOWN_PLUGINS = ("paged_kv", "quant")
+
+
+def confined(path: Path, rel: object, what: str) -> Path:
+    """`path / rel` for a manifest entry that must name a file inside the plan directory:
+    relative, no `..`, no symlink leading out. PlanError otherwise, before anything is read."""
+    from pathlib import PurePosixPath
+
+    bad = (not isinstance(rel, str) or not rel or "\\" in rel
+           or PurePosixPath(rel).is_absolute() or ".." in PurePosixPath(rel).parts)
+    if not bad:
+        f = path / rel
+        bad = not f.resolve().is_relative_to(path.resolve())
+    if bad:
+        raise PlanError(f"plan {path} is refused: its manifest's {what} {rel!r} is not a path "
+                        "inside the plan directory (absolute, '..' or a link out of it). A plan "
+                        "runs its compiled code: load plans only from a trusted store. Rebuild: "
+                        f"{rebuild_command(None, path)}")
+    return f
+
+
+def check_engine_entries(manifest: dict, path: Path) -> None:
+    """The engine file and kernels are inside the plan and listed with checksums; the plugins
+    are kiln's own."""
+    engine, files = manifest["engine"], manifest.get("files", {})
+    for what, rel in [("engine.file", engine.get("file")),
+                      *(("engine.kernels entry", k) for k in engine.get("kernels", []))]:
+        confined(path, rel, what)
+        if rel not in files:
+            raise PlanError(f"plan {path} is refused: {what} {rel!r} is not among the files the "
+                            "manifest checksums, so its bytes cannot be verified. Rebuild: "
+                            f"{rebuild_command(manifest, path)}")
+    unknown = [n for n in engine.get("plugins", []) if n not in KNOWN_PLUGINS]
+    if unknown:
+        raise PlanError(f"plan {path} is refused: its engine names plugins {unknown}; this "
+                        f"runtime has {', '.join(KNOWN_PLUGINS)}. Rebuild: "
+                        f"{rebuild_command(manifest, path)}")
+
+
 def check_files(manifest: dict, path: Path) -> None:
     fix = rebuild_command(manifest, path)
     for rel, meta in manifest["files"].items():
-        f = path / rel
+        f = confined(path, rel, "files entry")
         if not f.is_file():
             raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}")
         size = f.stat().st_size
@@ -179,6 +205,23 @@ def check_files(manifest: dict, path: Path) -> None:
         if sha256_file(f) != meta["sha256"]:
             raise PlanError(f"plan {path} is corrupt: {rel} does not match its sha256 in the "
                             f"manifest (changed after the build). Rebuild: {fix}")
+
+
+def verified_copy(plan: "Plan", rel: str, into: Path) -> Path:
+    """Copy a plan file into a private directory, hashing the bytes it copies; the copy is
+    what gets loaded, so a file swapped after verification is never run."""
+    src = confined(plan.path, rel, "file")
+    dst = into / Path(rel).name
+    h = hashlib.sha256()
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while block := fin.read(1 << 22):
+            h.update(block)
+            fout.write(block)
+    meta = plan.manifest.get("files", {}).get(rel)
+    if meta is not None and h.hexdigest() != meta["sha256"]:
+        raise PlanError(f"plan {plan.path} is corrupt: {rel} changed after it was verified. "
+                        f"Rebuild: {rebuild_command(plan.manifest, plan.path)}")
+    return dst
 
 
 def load_plan(path: str | Path, verify_checksums: bool = True) -> Plan:
@@ -191,6 +234,7 @@ def load_plan(path: str | Path, verify_checksums: bool = True) -> Plan:
                         f"{rebuild_command(manifest, path)}")
     check_target(manifest, path)
     check_toolchain(manifest, path)
+    check_engine_entries(manifest, path)
     if verify_checksums:
         check_files(manifest, path)
     return Plan(path=path, manifest=manifest)
@@ -207,29 +251,32 @@ def load_step_fn(plan: Plan) -> StepFn:
      logits_indices, k_caches, v_caches) -> logits [B, vocab] float32.
     """
     import importlib
+    import tempfile
 
     from plugins.cpp_build import load_library
 
     engine = plan.manifest["engine"]
+    if engine["backend"] not in ("aoti", "eager"):
+        raise PlanError(f"plan {plan.path} uses engine backend {engine['backend']!r}, which "
+                        f"this runtime cannot run. Rebuild: "
+                        f"{rebuild_command(plan.manifest, plan.path)}")
     for name in engine.get("plugins", ["paged_kv"]):  # op schemas before the engine loads
+        if name not in KNOWN_PLUGINS:
+            raise PlanError(f"plan {plan.path} names an unknown plugin {name!r}")
         importlib.import_module(f"plugins.{name}")
-    for lib in engine.get("kernels", []):
-        load_library(plan.path / lib)
-    f = plan.path / engine["file"]
-    if engine["backend"] == "aoti":
-        runner = torch._inductor.aoti_load_package(str(f))
+    # Kernels and engine are loaded from private copies of their verified bytes.
+    with tempfile.TemporaryDirectory(prefix="kiln-plan-") as private:
+        for lib in engine.get("kernels", []):
+            load_library(verified_copy(plan, lib, Path(private)))
+        f = verified_copy(plan, engine["file"], Path(private))
+        if engine["backend"] == "aoti":
+            runner = torch._inductor.aoti_load_package(str(f))
+        else:
+            runner = torch.export.load(str(f)).module()
 
-        def step(*args):
-            return runner(*args)
-        return step
-    if engine["backend"] == "eager":
-        module = torch.export.load(str(f)).module()
-
-        def step(*args):
-            return module(*args)
-        return step
-    raise PlanError(f"plan {plan.path} uses engine backend {engine['backend']!r}, which this "
-                    f"runtime cannot run. Rebuild: {rebuild_command(plan.manifest, plan.path)}")
+    def step(*args):
+        return runner(*args)
+    return step
 
 
 def plan_summary(manifest: dict) -> dict[str, Any]:

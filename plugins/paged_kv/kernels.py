@@ -11,23 +11,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from plugins import cpp_build
+from plugins.isa import IsaLevel
 from plugins.paged_kv import ops  # noqa: F401  (defines the op's schema before its kernels)
 
 NAME = "kiln_paged_attention"
 SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"]
 
 
-def _isa_macros() -> list[str]:
-    """-D flags that select ATen's Vectorized<> specialization for AOTInductor's vector ISA."""
-    from torch._inductor import cpu_vec_isa
-
-    isa = cpu_vec_isa.pick_vec_isa()
-    return [f"-D{m}" for m in getattr(isa, "_macro", [])] if isa else []
-
-
-def build(verbose: bool = False) -> Path:
-    """Compile the CPU kernel library (cached by source, flags and torch); returns its path."""
-    return cpp_build.build_library(NAME, SOURCES, extra_cflags=_isa_macros(), verbose=verbose)
+def build(level: IsaLevel | None = None, verbose: bool = False) -> Path:
+    """Compile the CPU kernel library for an ISA level (default: this machine's; cached by
+    source, flags and torch); returns its path."""
+    return cpp_build.build_library(NAME, SOURCES, level, verbose=verbose)
 
 
 def load(path: Path | None = None) -> None:

@@ -9,15 +9,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from plugins import cpp_build
+from plugins.isa import IsaLevel
 from plugins.quant import ops  # noqa: F401  (the schemas must exist before the kernels)
 
 NAME = "kiln_quant"
 SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
 
 
-def build(verbose: bool = False) -> Path:
-    """Compile (or find in the cache) the kernel library; returns the .so path."""
-    return cpp_build.build_library(NAME, SOURCES, verbose=verbose)
+def build(level: IsaLevel | None = None, verbose: bool = False) -> Path:
+    """Compile (or find in the cache) the kernel library for an ISA level (default: this
+    machine's); returns the .so path."""
+    return cpp_build.build_library(NAME, SOURCES, level, verbose=verbose)
 
 
 def load(path: Path | None = None) -> Path:

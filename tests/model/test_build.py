@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_plan_layout(tiny_plan):
     m = json.loads((tiny_plan / "plan.json").read_text())
-    assert m["format_version"] == 2 and m["name"] == "tiny-random"
+    assert m["format_version"] == 3 and m["name"] == "tiny-random"
     assert len(m["fingerprint"]) == 64
     for rel in ("engine.pt2", "tokenizer.json", "generation.json"):
         assert rel in m["files"] and (tiny_plan / rel).is_file()
@@ -88,15 +88,34 @@ def copy_with_manifest(plan: Path, dst: Path, edit) -> Path:
 
 
 def test_plan_for_missing_isa_is_refused(tiny_plan, tmp_path):
-    flags = set(Path("/proc/cpuinfo").read_text().split())
-    isa = "amx_tile" if "avx512f" in flags else "avx512"
-    bad = copy_with_manifest(tiny_plan, tmp_path / "plan",
-                             lambda m: m["target"].update(isa=isa))
+    """A plan whose recorded features include one this CPU lacks is refused, naming it."""
+    bad = copy_with_manifest(tiny_plan, tmp_path / "plan", lambda m: m["target"].update(
+        isa="amx", cpu_features=m["target"]["cpu_features"] + ["amx_tile", "amx_fp8"]))
     with pytest.raises(PlanError) as e:
         load_plan(bad)
     msg = str(e.value)
-    assert f"compiled for CPU ISA {isa}" in msg
-    assert "this CPU lacks" in msg and "kiln build" in msg
+    assert "compiled for CPU ISA amx" in msg and "this CPU lacks" in msg
+    assert "amx_fp8" in msg and "kiln build" in msg
+
+
+def test_plan_escaping_its_directory_is_refused_before_loading(tiny_plan, tmp_path):
+    """engine/kernel entries outside the plan, or not checksummed, are refused by load_plan."""
+    from runtime.executor import Executor
+
+    evil = tmp_path / "x.so"
+    evil.write_bytes(b"not a library")
+    edits = {
+        "parent": lambda m: m["engine"]["kernels"].append("../x.so"),
+        "absolute": lambda m: m["engine"]["kernels"].append(str(evil)),
+        "unlisted": lambda m: m["engine"].update(file="tokenizer.json") or
+        m["files"].pop("tokenizer.json"),
+        "files-entry": lambda m: m["files"].update({"../x.so": {"size": 13, "sha256": "0" * 64}}),
+        "plugin": lambda m: m["engine"]["plugins"].append("..evil"),
+    }
+    for name, edit in edits.items():
+        bad = copy_with_manifest(tiny_plan, tmp_path / name, edit)
+        with pytest.raises(PlanError, match="refused"):
+            Executor.from_plan(load_plan(bad))
 
 
 def test_plan_for_other_torch_is_refused(tiny_plan, tmp_path):

@@ -138,3 +138,12 @@ def test_canonical_digest_changes_with_any_field():
     c = parse_spec(BASE.replace("name: t", "name: u"))
     assert len({a.digest(), b.digest(), c.digest()}) == 3
     assert a.digest() == parse_spec(BASE).digest()
+
+
+def test_target_isa_levels():
+    assert parse_spec(BASE).target.isa == "auto"
+    assert parse_spec(BASE + "target: {device: cpu, isa: avx2}\n").target.isa == "avx2"
+    probs, msg = problems(BASE + "target: {device: cpu, isa: avx3}\n")
+    assert "target.isa" in probs and "avx3" in msg and "avx512_vnni" in msg and "none" in msg
+    probs, msg = problems(BASE + "target: {device: h100, isa: avx2}\n")
+    assert "target.isa" in probs and "cpu targets" in msg

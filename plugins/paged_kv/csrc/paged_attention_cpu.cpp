@@ -31,6 +31,24 @@
 #include <limits>
 #include <vector>
 
+// The code path these flags selected (read back by plugins/cpp_build.kernel_path): the
+// at::vec width, and whether pool rows are converted with AVX2 (any AVX2 or AVX-512 level).
+#if defined(CPU_CAPABILITY_AVX512)
+#define KILN_PA_VEC "at::vec 512-bit"
+#elif defined(CPU_CAPABILITY_AVX2)
+#define KILN_PA_VEC "at::vec 256-bit"
+#else
+#define KILN_PA_VEC "scalar at::vec"
+#endif
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define KILN_PA_ROWS ", avx2 row conversion"
+#else
+#define KILN_PA_ROWS ", scalar row conversion"
+#endif
+extern "C" __attribute__((used, visibility("default")))
+const char kiln_paged_attention_kernel_path[] = "KILN_KERNEL_PATH:" KILN_PA_VEC KILN_PA_ROWS;
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -83,7 +101,7 @@ inline void load_row(const cache_t* src, float* dst, int64_t D) {
 template <>
 inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
   int64_t d = 0;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(__AVX2__)
   for (; d + 8 <= D; d += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
     _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
@@ -96,7 +114,7 @@ template <>
 inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t D) {
   const float s = row_scale(src, D);
   int64_t d = 0;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(__AVX2__)
   const __m256 vs = _mm256_set1_ps(s);
   for (; d + 8 <= D; d += 8) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
@@ -114,7 +132,7 @@ inline void load_row<fp8>(const fp8* src, float* dst, int64_t D) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
   constexpr float k2p120 = 1.329227995784916e36f;  // 2^120
   int64_t d = 0;
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(__AVX2__)
   const __m256 vs = _mm256_set1_ps(s), vp = _mm256_set1_ps(k2p120);
   const __m256i sign = _mm256_set1_epi32(0x80), mag = _mm256_set1_epi32(0x7F);
   for (; d + 8 <= D; d += 8) {

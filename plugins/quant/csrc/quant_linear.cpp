@@ -20,9 +20,16 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
+#define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders"
 #else
 #define KILN_QUANT_AVX2 0
+#define KILN_QUANT_PATH "scalar decoders"
 #endif
+
+// The code path these flags selected, read from the library's bytes by the builder
+// (plugins/cpp_build.kernel_path): a vector ISA level that compiles to "scalar" fails the build.
+extern "C" __attribute__((used, visibility("default")))
+const char kiln_quant_kernel_path[] = "KILN_KERNEL_PATH:" KILN_QUANT_PATH;
 
 namespace {
 

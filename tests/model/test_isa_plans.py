@@ -1,0 +1,135 @@
+"""One tiny int8 plan per CPU ISA level this host runs (none and avx2 at least, AVX-512 levels
+where present): each records its level's features, contains no instruction of a higher level,
+names its kernels' vector paths, and computes the same logits and greedy tokens as the others.
+
+Each plan is built and run in its own process (`kiln build`, then a small script): the kernel
+libraries of two levels register the same ops and must not share a process.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from plugins import isa
+from tests.conftest import TEST_PLANS
+from tests.model.test_quant_plans import tiny_spec, write_spec
+
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 ISA levels")]
+
+ROOT = Path(__file__).resolve().parents[2]
+HOST = isa.host_level()
+LEVELS = [n for n in isa.LEVEL_NAMES
+          if isa.LEVEL_NAMES.index(n) <= isa.LEVEL_NAMES.index(HOST.name)]
+
+RUN = r"""
+import json, sys, torch
+torch.set_num_threads(1)
+from runtime.executor import Executor, ModelInput
+from runtime.plan import load_plan
+ex = Executor.from_plan(load_plan(sys.argv[1]))
+g = torch.Generator().manual_seed(1)
+tables, lens, starts = [[5, 2, 9], [1, 7, 3]], [20, 7], [0, 0]
+logits = []
+for _ in range(2):
+    toks = [torch.randint(0, 384, (n,), generator=g).tolist() for n in lens]
+    logits.append(ex.execute(ModelInput.build(toks, starts, tables, 16)))
+    starts = [s + n for s, n in zip(starts, lens)]
+    lens = [1, 1]
+# greedy: 12 tokens of one sequence, fed back one step at a time
+seq, table, pos = [3, 17, 42, 7], [11, 12], 0
+out = []
+for _ in range(12):
+    row = ex.execute(ModelInput.build([seq[pos:]], [pos], [table], 16))[0]
+    pos = len(seq)
+    seq.append(int(row.argmax()))
+    out.append(seq[-1])
+torch.save({"logits": torch.cat(logits), "greedy": out}, sys.argv[2])
+"""
+
+
+@pytest.fixture(scope="module")
+def isa_plans(tmp_path_factory) -> dict[str, Path]:
+    specs = tmp_path_factory.mktemp("isa-specs")
+    plans = {}
+    for level in LEVELS:
+        data = tiny_spec(f"tiny-int8-{level}", {"weights": "int8", "keep_high_precision": []})
+        data["target"]["isa"] = level
+        out = TEST_PLANS / f"tiny-int8-isa-{level}"
+        r = subprocess.run([sys.executable, "-m", "kiln.cli", "build",
+                            str(write_spec(specs, data)), "--out", str(out)],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        plans[level] = out
+    return plans
+
+
+@pytest.fixture(scope="module")
+def isa_outputs(isa_plans, tmp_path_factory) -> dict[str, dict]:
+    d = tmp_path_factory.mktemp("isa-out")
+    outs = {}
+    for level, plan in isa_plans.items():
+        r = subprocess.run([sys.executable, "-c", RUN, str(plan), str(d / f"{level}.pt")],
+                           capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 0, f"{level}: {r.stderr[-3000:]}"
+        outs[level] = torch.load(d / f"{level}.pt")
+    return outs
+
+
+def test_every_level_runs_here_and_records_its_features(isa_plans):
+    assert {"none", "avx2"} <= set(isa_plans)
+    for level, plan in isa_plans.items():
+        m = json.loads((plan / "plan.json").read_text())
+        t = m["target"]
+        assert t["isa"] == level and m["spec"]["target"]["isa"] == level
+        assert t["cpu_features"] == isa.compiler_features(isa.LEVELS[level].flags)
+        paths = m["engine"]["kernel_paths"]
+        assert set(paths) == set(m["engine"]["kernels"]) and len(paths) == 2
+        for lib, path in paths.items():   # a vector level never ships a scalar kernel
+            assert ("scalar" in path) == (level == "none"), (level, lib, path)
+        r = subprocess.run([sys.executable, "-m", "kiln.cli", "inspect", str(plan)],
+                           capture_output=True, text=True, check=True, cwd=ROOT)
+        assert f"x86_64, {level})" in r.stdout and "kernel" in r.stdout
+        if level != "none":
+            assert "cpu features" in r.stdout and "avx2" in r.stdout
+
+
+def test_levels_compute_the_same_tokens(isa_outputs):
+    ref = isa_outputs[HOST.name]
+    for level, out in isa_outputs.items():
+        diff = (out["logits"] - ref["logits"]).abs().max().item()
+        assert diff < 1e-3, f"{level} vs {HOST.name}: max logit difference {diff}"
+        assert torch.equal(out["logits"].argmax(-1), ref["logits"].argmax(-1)), level
+        assert out["greedy"] == ref["greedy"], level
+
+
+def _disassembly(so_bytes: bytes, tmp: Path) -> str:
+    f = tmp / "lib.so"
+    f.write_bytes(so_bytes)
+    return subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(f)], capture_output=True,
+                          text=True, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs objdump (binutils)")
+@pytest.mark.parametrize("level", ["none", "avx2"])
+def test_lower_level_code_has_no_higher_instructions(isa_plans, level, tmp_path):
+    """Nothing in an avx2 (or scalar) plan, engine or kernels, touches AVX-512 registers: the
+    compiler's default -march=native is not in the way (it was, before plans pinned a level)."""
+    plan = isa_plans[level]
+    libs = [p.read_bytes() for p in (plan / "kernels").glob("*.so")]
+    with zipfile.ZipFile(plan / "engine.pt2") as z:
+        libs += [z.read(n) for n in z.namelist() if n.endswith(".so")]
+    assert len(libs) >= 3
+    for so in libs:
+        asm = _disassembly(so, tmp_path)
+        assert "%zmm" not in asm and "%k1" not in asm, f"{level} plan has AVX-512 code"
+        if level == "none":   # no AVX at all in Kiln's and Inductor's own code
+            assert "%ymm" not in asm, "scalar plan has AVX code"

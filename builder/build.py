@@ -276,12 +276,16 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
         from builder.accuracy import calibration_runner
 
         calibration = calibration_runner(spec, ckpt)
-    progress.stage(f"quantizing to {p.weights}" + (" (AWQ-style calibration)" if calibration
+    progress.stage(f"quantizing to {p.weights}" + (
+        " + int8 activations" if p.activations == "int8" else "") + (
+        (" (SmoothQuant calibration)" if p.activations == "int8" else
+         " (AWQ-style calibration)") if calibration
                                                    else ""))
     keep = () if p.weights == "bf16" else p.keep_high_precision
     try:
         info = quantize_model(model, p.weights, group_size=p.group_size,
-                              keep_high_precision=keep, calibration=calibration)
+                              keep_high_precision=keep, calibration=calibration,
+                              activations="int8" if p.activations == "int8" else "float")
     except ValueError as e:
         path = ("precision.group_size" if "group_size" in str(e) else
                 "precision.keep_high_precision" if "keep_high_precision" in str(e)

@@ -58,7 +58,7 @@ def kernel_paths(plan_dir: Path, kernels: list[Path], level: IsaLevel | None
     from plugins.cpp_build import kernel_path
 
     paths = {k.relative_to(plan_dir).as_posix(): kernel_path(k) for k in kernels}
-    scalar = [lib for lib, path in paths.items() if path.startswith(("scalar", "unknown"))]
+    scalar = [lib for lib, path in paths.items() if "scalar" in path or path == "unknown"]
     if level is not None and level.vector_bits and scalar:
         raise RuntimeError(f"kernel {', '.join(scalar)} compiled to its scalar path at CPU ISA "
                            f"{level.name} (flags {' '.join(level.flags)}): its vector path's "

@@ -110,9 +110,38 @@ def awq_search(w: torch.Tensor, x: torch.Tensor, scheme: str, group_size: Option
     return best[1], best[2]
 
 
+def smooth_search(w: torch.Tensor, x: torch.Tensor) -> tuple[Optional[torch.Tensor], float]:
+    """SmoothQuant for W8A8: -> (input_scale [K] = 1/s, alpha), or (None, -1) when no
+    smoothing beats none. s_j = max|x_j|^alpha / max|w_j|^(1 - alpha) moves the activations'
+    outlier channels into the weights (W * s, x / s: the product is unchanged before
+    rounding); alpha is searched on the linear's calibration inputs, minimizing the error of
+    the W8A8 product against the float one."""
+    from plugins.quant import ops
+
+    w = w.detach().float()
+    x = x.float()
+    ref = x @ w.T
+
+    def err(xs, ws):
+        qw = formats.quantize(ws, "int8")
+        return (ops.linear_int8_a8_reference(xs, qw.qweight, qw.scales) - ref).pow(2).mean().item()
+
+    xmax = x.abs().amax(dim=0).clamp_min(1e-5)
+    wmax = w.abs().amax(dim=0).clamp_min(1e-5)
+    best = (err(x, w), None, -1.0)
+    for alpha in AWQ_ALPHAS[1:]:
+        s = xmax.pow(alpha) / wmax.pow(1 - alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        e = err(x / s[None, :], w * s[None, :])
+        if e < best[0]:
+            best = (e, 1.0 / s, alpha)
+    return best[1], best[2]
+
+
 def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = None,
                    keep_high_precision: tuple[str, ...] = (EMBED, LM_HEAD),
-                   calibration: Optional[Calibration] = None) -> dict:
+                   calibration: Optional[Calibration] = None, activations: str = "float"
+                   ) -> dict:
     """Swaps the model's nn.Linear modules for QuantLinear in place; returns a report dict.
 
     weights: int8 | int4 | fp8 | bf16 (weight-only: bf16 storage, float32 compute).
@@ -120,7 +149,8 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     divides every quantized linear's K). keep_high_precision: "embed", "lm_head", or module
     names / name components ("w2", "layers.0") left unquantized. calibration (int4): a
     callable run(model) that runs the unquantized model on calibration inputs, or a mapping
-    linear name -> its inputs [rows, K]; enables the AWQ-style scale search.
+    linear name -> its inputs [rows, K]; enables the AWQ-style scale search. activations
+    "int8" (int8 weights): every quantized linear, the lm_head included, runs W8A8.
     """
     if weights not in formats.SCHEMES:
         raise ValueError(f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
@@ -145,11 +175,12 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
 
     acts: dict[str, torch.Tensor] = {}
     method = "rtn"
-    if calibration is not None and weights == "int4":
+    if calibration is not None and (weights == "int4" or activations == "int8"):
         acts = (dict(calibration) if isinstance(calibration, Mapping)
                 else collect_inputs(model, linears, calibration))
-        method = "awq"
+        method = "awq" if weights == "int4" else "smoothquant"
     report = {"weights": weights, "scheme": weights, "group_size": gs, "method": method,
+              "activations": ("int8-per-token-dynamic" if activations == "int8" else "float"),
               "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
               "embedding": ("float" if EMBED in keep else
                             "bf16" if weights == "bf16" else "int8-per-row"),
@@ -164,11 +195,15 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         qemb = QuantEmbedding.from_embedding(emb, "bf16" if weights == "bf16" else "int8")
         report["bytes_before"] += emb.weight.numel() * emb.weight.element_size()
         report["bytes_after"] += sum(b.numel() * b.element_size() for b in qemb.buffers())
-    if calibration is not None and weights != "int4":
-        report["calibration"] = "not used: AWQ scale search applies to int4 only"
+    if calibration is not None and weights != "int4" and activations != "int8":
+        report["calibration"] = ("not used: AWQ scale search applies to int4 only, "
+                                 "SmoothQuant to int8 activations")
     for name, lin in all_q.items():
         scale, alpha = None, None
-        if name in acts:
+        if name in acts and activations == "int8":
+            scale, alpha = smooth_search(lin.weight, acts[name])
+            report.setdefault("smooth_alpha", {})[name] = alpha
+        elif name in acts:
             scale, alpha = awq_search(lin.weight, acts[name], weights, gs)
             report["awq_alpha"][name] = alpha
         if name == "output" and qemb is not None and scale is None \
@@ -176,10 +211,11 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
             # Tied: the head reads the embedding's table (int8 whatever the plan's scheme:
             # an int4 head costs SmolLM2 +31% perplexity, int8 rows ~0.2%; bf16 at bf16).
             q = QuantLinear(formats.QuantizedWeight(qemb.scheme, qemb.qweight, qemb.scales,
-                                                    None, None, tuple(lin.weight.shape)))
+                                                    None, None, tuple(lin.weight.shape)),
+                            activations=activations)
             report["lm_head"] = f"{qemb.scheme} (the tied embedding's table)"
         else:
-            q = QuantLinear.from_linear(lin, weights, gs, scale)
+            q = QuantLinear.from_linear(lin, weights, gs, scale, activations)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, q)

@@ -26,6 +26,10 @@ PACKED_WEIGHTS = QUANTIZED_WEIGHTS + ("bf16",)
 # KV pool dtypes the paged-attention kernels read and write (int8/fp8 with per-token
 # scales: plugins/paged_kv/kv_format.py); fp16 has no CPU kernel and is rejected by name.
 BUILDABLE_KV = ("fp32", "bf16", "int8", "fp8")
+# ... and on GPU targets also fp16 (the Triton kernel, plugins/paged_kv/triton_attention.py)
+GPU_ONLY_KV = ("fp16",)
+MIN_GPU_SM = 80     # Triton kernels: bf16 / TF32 tensor cores
+FP8_MIN_SM = 89     # E4M3 conversions and MMA
 # Default accuracy gate (largest relative perplexity increase over the unquantized model)
 # per weight precision; chosen from SmolLM2-135M measurements (README "Precisions"): a
 # healthy plan passes with margin, a broken one (wrong scales, a bad kernel) fails.
@@ -149,8 +153,10 @@ class PrecisionSection(_Strict):
         "divides every quantized layer's input width (recorded in the plan)")
     kv_cache: Optional[Literal["fp32", "bf16", "fp16", "int8", "fp8"]] = Field(
         default=None, description="KV pool dtype; default: fp32 for fp32 weights, else bf16")
-    activations: Literal["fp32", "bf16", "fp16", "fp8"] = Field(
-        default="fp32", description="activation dtype of the matmuls")
+    activations: Literal["fp32", "bf16", "fp16", "fp8", "int8"] = Field(
+        default="fp32", description="activation dtype of the matmuls; int8 (CPU, with int8 "
+        "weights): W8A8, each token's activations quantized to int8 at run time (per-token "
+        "scale) and multiplied with int8 dot products (AVX-512 VNNI / AVX2)")
     keep_high_precision: tuple[str, ...] = Field(
         default=("embed", "lm_head"),
         description="layers that keep the unquantized float dtype in a quantized plan: "
@@ -238,7 +244,8 @@ class Spec(_Strict):
         if self.precision.weights not in BUILDABLE_WEIGHTS:
             raise _PathError("precision.weights", f"{self.precision.weights!r} is not built "
                              f"by this version of kiln; allowed: {', '.join(BUILDABLE_WEIGHTS)}")
-        if self.precision.kv_cache is not None and self.precision.kv_cache not in BUILDABLE_KV:
+        if self.precision.kv_cache is not None and self.precision.kv_cache not in BUILDABLE_KV \
+                and not (self.target.is_gpu and self.precision.kv_cache in GPU_ONLY_KV):
             raise _PathError("precision.kv_cache", f"{self.precision.kv_cache!r} is not built "
                              f"by this version of kiln (no paged-attention kernel reads it); "
                              f"allowed: {', '.join(BUILDABLE_KV)}")
@@ -249,17 +256,26 @@ class Spec(_Strict):
                 != PrecisionSection.model_fields["keep_high_precision"].default):
             raise _PathError("precision.keep_high_precision", "applies to int8, int4 and fp8 "
                              "weights; a bf16 plan stores every weight bf16")
-        if self.accuracy.calibration_text is not None and self.precision.weights != "int4":
-            raise _PathError("accuracy.calibration_text", "AWQ-style calibration applies to "
-                             f"int4 weights only (weights is {self.precision.weights!r})")
+        if self.accuracy.calibration_text is not None and self.precision.weights != "int4" \
+                and self.precision.activations != "int8":
+            raise _PathError("accuracy.calibration_text", "calibration applies to int4 weights "
+                             "(AWQ-style scales) and int8 activations (SmoothQuant) only "
+                             f"(weights is {self.precision.weights!r})")
         if self.precision.activations == "fp8":
             cc = self.target.compute_capability
             if cc is None or int(cc[3:]) < 89:
                 raise _PathError("precision.activations", f"fp8 activations need a GPU with "
                                  f"FP8 (sm_89 or newer); target is {self.target.device!r}")
+        if self.precision.activations == "int8" and (self.precision.weights != "int8"
+                                                     or self.target.is_gpu):
+            raise _PathError("precision.activations", "int8 activations (W8A8) need int8 "
+                             f"weights on a cpu target (weights is {self.precision.weights!r}, "
+                             f"device {self.target.device!r})")
         if self.target.is_gpu and self.target.isa != "auto":
             raise _PathError("target.isa", f"{self.target.isa!r}: the CPU ISA applies to cpu "
                              f"targets; target.device is {self.target.device!r} (leave isa auto)")
+        if self.target.is_gpu:
+            _check_gpu_precision(self)
         return self
 
     @property
@@ -300,6 +316,27 @@ class Spec(_Strict):
 
     def digest(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+
+def _check_gpu_precision(spec: "Spec") -> None:
+    """What a compute capability cannot run is refused here, before any build work: Kiln's
+    Triton kernels need sm_80 (bf16 and TF32 tensor cores), and E4M3 needs sm_89."""
+    cc = spec.target.compute_capability
+    sm = int(cc[3:])
+    if sm < MIN_GPU_SM:
+        raise _PathError("target.device", f"{spec.target.device!r} is {cc}; Kiln's GPU kernels "
+                         f"need sm_{MIN_GPU_SM} or newer (A100, A10, L4, L40S, H100, H200, "
+                         "B200); allowed: " + ", ".join(GPU_TARGETS) + " or sm_80 and up")
+    if sm >= FP8_MIN_SM:
+        return
+    fp8 = f"needs a GPU with FP8 (sm_{FP8_MIN_SM} or newer: L4, L40S, H100, H200); target " \
+          f"{spec.target.device!r} is {cc}"
+    if spec.precision.weights == "fp8":
+        raise _PathError("precision.weights", f"fp8 (E4M3) {fp8}; use int8 or bf16 weights, or "
+                         "an FP8 GPU")
+    if spec.kv_dtype == "fp8":
+        raise _PathError("precision.kv_cache", f"an fp8 (E4M3) KV cache {fp8}; use int8 or "
+                         "bf16")
 
 
 class _PathError(ValueError):

@@ -66,10 +66,10 @@ _PATH_MARK = re.compile(rb"KILN_KERNEL_PATH:([^\x00]{1,200})\x00")
 
 
 def kernel_path(lib: Path) -> str:
-    """The code path a kernel library was compiled to (embedded by its source), e.g.
-    "avx2 decoders" or "scalar"; "unknown" for a library that does not say."""
-    m = _PATH_MARK.search(Path(lib).read_bytes())
-    return m.group(1).decode() if m else "unknown"
+    """The code paths a kernel library was compiled to (embedded by each source, joined by
+    "; "), e.g. "avx2: ... decoders; w8a8: avx512-vnni vpdpbusd"; "unknown" if it says none."""
+    paths = [m.decode() for m in _PATH_MARK.findall(Path(lib).read_bytes())]
+    return "; ".join(paths) if paths else "unknown"
 
 
 # Content digests of the libraries loaded in this process: a copy of a library (the plan's

@@ -13,7 +13,8 @@ from plugins.isa import IsaLevel
 from plugins.quant import ops  # noqa: F401  (the schemas must exist before the kernels)
 
 NAME = "kiln_quant"
-SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp",
+           Path(__file__).parent / "csrc" / "linear_a8.cpp"]
 
 
 def build(level: IsaLevel | None = None, verbose: bool = False) -> Path:

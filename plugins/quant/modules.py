@@ -19,8 +19,12 @@ class QuantLinear(nn.Module):
     """y = x @ dequant(W).T + bias, with W in one of formats.SCHEMES."""
 
     def __init__(self, qw: formats.QuantizedWeight, bias: Optional[torch.Tensor] = None,
-                 input_scale: Optional[torch.Tensor] = None):
+                 input_scale: Optional[torch.Tensor] = None, activations: str = "float"):
         super().__init__()
+        if activations not in ops.ACTIVATIONS or (activations == "int8" and qw.scheme != "int8"):
+            raise ValueError(f"activations={activations!r} with {qw.scheme} weights; allowed: "
+                             "float, or int8 with int8 weights (W8A8)")
+        self.activations = activations
         self.scheme = qw.scheme
         self.group_size = qw.group_size
         self.out_features, self.in_features = qw.shape
@@ -32,14 +36,15 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, scheme: str, group_size: int | None = None,
-                    input_scale: Optional[torch.Tensor] = None) -> "QuantLinear":
+                    input_scale: Optional[torch.Tensor] = None, activations: str = "float"
+                    ) -> "QuantLinear":
         """Quantize an nn.Linear. With input_scale s (AWQ), W*diag(1/s) is what is quantized
         and x*s what is multiplied, so the product is unchanged before rounding."""
         w = linear.weight.detach().float()
         if input_scale is not None:
             w = w / input_scale[None, :]
         qw = formats.quantize(w, scheme, group_size)
-        return cls(qw, linear.bias, input_scale)
+        return cls(qw, linear.bias, input_scale, activations)
 
     def quantized_weight(self) -> formats.QuantizedWeight:
         return formats.QuantizedWeight(self.scheme, self.qweight, self.scales, self.zeros,
@@ -50,12 +55,13 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2 = x2 * self.input_scale.to(x2.dtype)
-        y = ops.quant_linear(x2, self.quantized_weight(), self.bias)
+        y = ops.quant_linear(x2, self.quantized_weight(), self.bias, self.activations)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
         a = ", awq" if self.input_scale is not None else ""
+        a += ", int8 activations" if self.activations == "int8" else ""
         return f"{self.in_features} -> {self.out_features}, {self.scheme}{g}{a}"
 
 

@@ -4,6 +4,10 @@
     kiln::linear_int4(x, qweight uint8 [N,K/2], scales [N,K/G], zeros [N,K/G], G, bias?)
     kiln::linear_fp8 (x, qweight float8_e4m3fn [N,K], scales [N], bias?)       -> [M, N]
     kiln::linear_bf16(x, weight bfloat16 [N,K], bias?)                          -> [M, N]
+    kiln::linear_int8_a8(x, qweight int8 [N,K], scales [N], bias?)             -> [M, N]
+
+linear_int8_a8 is W8A8: x is quantized per row at run time (symmetric int8, max|x|/127,
+round half to even) and multiplied in integers; the others dequantize the weights.
 
 x is [M, K] float32 or bfloat16; the output has x's dtype. Layouts: plugins/quant/formats.py.
 The references below are registered for CompositeExplicitAutograd (any device); the compiled
@@ -25,6 +29,8 @@ SCHEMAS = {
                     "int group_size, Tensor? bias) -> Tensor"),
     "linear_fp8": "linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
     "linear_bf16": "linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "linear_int8_a8": ("linear_int8_a8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) "
+                       "-> Tensor"),
 }
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
@@ -53,10 +59,28 @@ def linear_bf16_reference(x, weight, bias=None):
     return _linear(x, weight.float(), bias)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (codes float [M, K] in -127..127, scales [M, 1]); the kernel's arithmetic."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=-1, keepdim=True) / 127
+    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    return torch.round(xf / sx).clamp_(-127, 127), sx
+
+
+def linear_int8_a8_reference(x, qweight, scales, bias=None):
+    xq, sx = quantize_activations(x)
+    acc = xq.double() @ qweight.double().T          # exact integer sums
+    y = acc.float() * (sx * scales[None, :].float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 _lib.impl("linear_int8", linear_int8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_bf16", linear_bf16_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int4", linear_int4_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_fp8", linear_fp8_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_int8_a8", linear_int8_a8_reference, "CompositeExplicitAutograd")
 
 
 def _out_fake(x, n):
@@ -79,6 +103,11 @@ def _linear_fp8_fake(x, qweight, scales, bias):
     return _out_fake(x, qweight.shape[0])
 
 
+@torch.library.register_fake("kiln::linear_int8_a8")
+def _linear_int8_a8_fake(x, qweight, scales, bias):
+    return _out_fake(x, qweight.shape[0])
+
+
 @torch.library.register_fake("kiln::linear_bf16")
 def _linear_bf16_fake(x, weight, bias):
     return _out_fake(x, weight.shape[0])
@@ -92,9 +121,26 @@ REFERENCES = {
 }
 
 
+ACTIVATIONS = ("float", "int8")   # what a packed linear multiplies x as
+
+
 def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Calls the op for qw's scheme (the fastest kernel registered for x's device)."""
+                 bias: Optional[torch.Tensor] = None, activations: str = "float"
+                 ) -> torch.Tensor:
+    """Calls the op for qw's scheme (the fastest kernel registered for x's device; on CUDA
+    the Triton kernels of int8/int4/fp8, which AOTInductor compiles into the plan; cuBLAS
+    for bf16).
+    activations "int8" (int8 weights, CPU): W8A8, x quantized per row at run time."""
+    if activations == "int8":
+        if qw.scheme != "int8":
+            raise ValueError(f"int8 activations need int8 weights, not {qw.scheme}")
+        return torch.ops.kiln.linear_int8_a8(x, qw.qweight, qw.scales, bias)
+    if x.device.type == "cuda":
+        if qw.scheme == "bf16":   # cuBLAS in x's dtype (float32 accumulation)
+            return F.linear(x, qw.qweight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        from plugins.quant import triton_linear  # imports triton
+
+        return triton_linear.quant_linear(x, qw, bias)
     if qw.scheme == "int8":
         return torch.ops.kiln.linear_int8(x, qw.qweight, qw.scales, bias)
     if qw.scheme == "fp8":

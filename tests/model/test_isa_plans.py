@@ -133,3 +133,42 @@ def test_lower_level_code_has_no_higher_instructions(isa_plans, level, tmp_path)
         assert "%zmm" not in asm and "%k1" not in asm, f"{level} plan has AVX-512 code"
         if level == "none":   # no AVX at all in Kiln's and Inductor's own code
             assert "%ymm" not in asm, "scalar plan has AVX code"
+
+
+KERNELS = r"""
+import sys, torch
+from plugins import isa
+from plugins.quant import formats, kernels, ops
+from plugins.cpp_build import kernel_path
+lib = kernels.build(isa.LEVELS[sys.argv[1]])
+kernels.load(lib)
+print(kernel_path(lib))
+g = torch.Generator().manual_seed(0)
+for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100)]:
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    qw = formats.quantize(w, "int8")
+    out = ops.quant_linear(x, qw, b, activations="int8")
+    ref = ops.linear_int8_a8_reference(x, qw.qweight, qw.scales, b)
+    assert (out - ref).abs().max() <= 1e-6 * ref.abs().max(), ("w8a8", m, n, k)
+    if k % 32 == 0:
+        for scheme in ("int8", "int4", "fp8", "bf16"):
+            q = formats.quantize(w, scheme, 32 if scheme == "int4" else None)
+            args = (q.qweight, q.scales, q.zeros, 32) if scheme == "int4" else (q.qweight, q.scales)
+            ref = ops.REFERENCES[scheme](x, *args, b)
+            out = ops.quant_linear(x, q, b)
+            assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, m, n, k)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_quant_kernels_match_references_at_every_level(level):
+    """Each level's compiled kernels (the W8A8 VNNI / maddubs / scalar paths, the weight-only
+    decoders) give the references' results; each in its own process."""
+    r = subprocess.run([sys.executable, "-c", KERNELS, level], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    path = r.stdout.splitlines()[0]
+    want = {"none": "w8a8: scalar", "avx2": "w8a8: avx2", "avx512": "w8a8: avx2"}.get(
+        level, "w8a8: avx512-vnni")
+    assert want in path, path

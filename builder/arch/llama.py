@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import plugins.paged_kv  # noqa: F401  (registers kiln::paged_attention)
+from plugins.paged_kv import ops as paged_kv_ops  # registers kiln::paged_attention
 
 
 @dataclass(frozen=True)
@@ -180,9 +180,9 @@ class Attention(nn.Module):
         q = apply_rope(q.view(T, self.h, self.d), s.cos, s.sin)        # [T, H, D]
         k = apply_rope(k.view(T, self.kvh, self.d), s.cos, s.sin)      # [T, KVH, D]
         v = v.reshape(T, self.kvh, self.d)
-        o = torch.ops.kiln.paged_attention(q, k, v, k_cache, v_cache, s.slot_mapping,
-                                           s.block_tables, s.context_lens, s.query_start_loc,
-                                           self.scale)
+        o = paged_kv_ops.paged_attention(q, k, v, k_cache, v_cache, s.slot_mapping,
+                                         s.block_tables, s.context_lens, s.query_start_loc,
+                                         self.scale)   # kiln::paged_attention(_triton on CUDA)
         return self.wo(o.reshape(T, self.h * self.d))
 
 

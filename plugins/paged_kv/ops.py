@@ -95,6 +95,14 @@ def _paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
 
 def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                     query_start_loc, scale: float) -> torch.Tensor:
-    """Dispatches to the fastest registered kernel for q's device."""
-    return torch.ops.kiln.paged_attention(q, k, v, k_cache, v_cache, slot_mapping,
-                                          block_tables, context_lens, query_start_loc, scale)
+    """The op for q's device: on CUDA the Triton kernels (kiln::paged_attention_triton, which
+    AOTInductor compiles into the plan), elsewhere kiln::paged_attention (the fastest kernel
+    registered for the device). Chosen when the model is traced: devices are static."""
+    if q.device.type == "cuda":
+        from plugins.paged_kv import triton_attention  # noqa: F401  (imports triton)
+
+        op = torch.ops.kiln.paged_attention_triton
+    else:
+        op = torch.ops.kiln.paged_attention
+    return op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+              query_start_loc, scale)

@@ -1,0 +1,163 @@
+"""kiln::paged_attention_triton (the GPU kernel) under Triton's interpreter, on CPU tensors,
+against the pure-torch reference: the batches and shapes the CPU kernel is tested on."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from plugins.paged_kv import kv_format, triton_attention  # noqa: E402
+from plugins.paged_kv.ops import paged_attention_reference  # noqa: E402
+from tests.unit.test_paged_attention import MIXED, Batch, make_batch  # noqa: E402
+
+pytestmark = pytest.mark.interpret
+
+
+def test_kernels_are_interpreted():
+    """The conftest's TRITON_INTERPRET reached the kernels (else they would try to compile)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(triton_attention._attend_kernel, InterpretedFunction)
+    assert isinstance(triton_attention._write_kv_kernel, InterpretedFunction)
+
+
+def check(batch: Batch, atol=1e-4, rtol=1e-4):
+    """Triton op == reference; both pools equal the original except in exactly the step's
+    slots, where they hold the reference's bytes (quantized rows included)."""
+    kc0, vc0 = batch.k_cache.clone(), batch.v_cache.clone()
+    ref_k, ref_v = kc0.clone(), vc0.clone()
+    ref = paged_attention_reference(*batch.args(ref_k, ref_v))
+    k_ptr = batch.k_cache.data_ptr()
+    out = torch.ops.kiln.paged_attention_triton(*batch.args())
+    assert batch.k_cache.data_ptr() == k_ptr
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+    KVH, W = kc0.shape[2], kc0.shape[3]
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
+    for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
+        expect = raw(orig.clone())
+        expect.view(-1, KVH, W)[batch.slot_mapping] = raw(kv_format.encode(new, orig.dtype))
+        assert torch.equal(raw(pool), expect)
+    assert torch.equal(raw(batch.k_cache), raw(ref_k))
+    assert torch.equal(raw(batch.v_cache), raw(ref_v))
+    return out
+
+
+@pytest.mark.parametrize("H,KVH,D,bs", [
+    (4, 4, 64, 16),     # MHA
+    (9, 3, 64, 8),      # SmolLM2-135M heads
+    (8, 2, 128, 32),
+    (8, 1, 48, 64),     # odd head dim, single kv head
+    (12, 4, 128, 16),
+    (16, 2, 48, 8),
+    (6, 2, 36, 16),     # head dim not a power of two: masked lanes
+])
+def test_mixed_prefill_and_decode(H, KVH, D, bs):
+    check(make_batch(MIXED, H, KVH, D, bs, seed=H * 1000 + D + bs))
+
+
+@pytest.mark.parametrize("seqs", [
+    [(2047, 1)],                               # one long decode
+    [(511, 1)] * 32,                           # decode batch
+    [(0, 512)],                                # one long prefill chunk, many query tiles
+    [(1000, 300), (7, 1)],                     # chunk with earlier context + decode
+    [(0, 1)],
+], ids=["decode1-2048", "decode32-512", "prefill512", "chunk-after-context", "first-token"])
+def test_shapes(seqs):
+    check(make_batch(seqs, 9, 3, 64, 16, seed=len(seqs)))
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16),            # GPU-only pool dtype (no CPU kernel)
+])
+def test_half_precision(dtype, cache_dtype):
+    b = make_batch(MIXED, 8, 2, 64, 16, dtype=dtype, cache_dtype=cache_dtype, seed=7)
+    check(b, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype,H,KVH,D,bs", [
+    (torch.float32, 9, 3, 64, 16),
+    (torch.bfloat16, 8, 2, 128, 32),
+    (torch.float32, 6, 2, 36, 8),
+], ids=["q-fp32-smollm2", "q-bf16-d128", "q-fp32-d36"])
+def test_quantized_cache(cache_dtype, dtype, H, KVH, D, bs):
+    """Codes + per-row scale: the kernel writes the reference's exact bytes (its own
+    round-to-nearest-even, not the device's convert) and attends over the same values."""
+    b = make_batch(MIXED, H, KVH, D, bs, dtype=dtype, cache_dtype=cache_dtype, seed=D + bs)
+    assert b.k_cache.shape[-1] == D + 4
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    check(b, atol=tol, rtol=tol)
+
+
+def test_fp8_rounding_ties_and_extremes():
+    """Rows whose scaled values fall on E4M3 rounding ties, subnormals, the 448 maximum and
+    signed zeros: the Triton write rounds exactly as torch's float8 cast."""
+    D = 16
+    codes = torch.arange(0, 126, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (codes[:-1] + codes[1:]) / 2                      # exact ties between neighbours
+    vals = torch.cat([mids, -mids, codes[:10] * 0.999, torch.tensor([448.0, -0.0])])
+    body = torch.zeros(-(-vals.numel() // (D - 1)) * (D - 1))
+    body[:vals.numel()] = vals
+    body = body.view(-1, D - 1)
+    # a first column of 448 makes every row's scale 1: its codes are its values
+    rows = torch.cat([torch.full((body.shape[0], 1), 448.0), body], dim=1)
+    T = rows.shape[0]
+    k = rows.view(T, 1, D)
+    v = -k
+    kc = torch.zeros(T, 1, 1, D + 4, dtype=torch.float8_e4m3fn)
+    vc = kc.clone()
+    q = torch.randn(T, 1, D)
+    slots = torch.arange(T)
+    ones = torch.ones(T, dtype=torch.long)
+    torch.ops.kiln.paged_attention_triton(q, k, v, kc, vc, slots, slots.view(T, 1), ones,
+                                          torch.arange(T + 1), 1.0)
+    expect = kv_format.encode(k, torch.float8_e4m3fn).view(torch.uint8).view(T, 1, 1, D + 4)
+    assert torch.equal(kc.view(torch.uint8), expect)
+    expect_v = kv_format.encode(v, torch.float8_e4m3fn).view(torch.uint8).view(T, 1, 1, D + 4)
+    assert torch.equal(vc.view(torch.uint8), expect_v)
+
+
+def test_int32_metadata_and_strided_qkv():
+    b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
+    T, H, KVH, D = b.q.shape[0], 9, 3, 64
+    qkv = torch.randn(T, (H + 2 * KVH) * D)   # q, k, v as views of one fused projection
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    b.q, b.k, b.v = q.view(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+    assert not b.v.is_contiguous()
+    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
+    ref = paged_attention_reference(*b.args(ref_k, ref_v))
+    out = torch.ops.kiln.paged_attention_triton(
+        b.q, b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping.int(), b.block_tables.int(),
+        b.context_lens.int(), b.query_start_loc.int(), b.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda b: dict(q=b.q[:, :5]), "multiple of kv heads"),
+    (lambda b: dict(query_start_loc=b.query_start_loc[:-1]), "B\\+1"),
+    (lambda b: dict(k_cache=b.k_cache.transpose(1, 2).contiguous().transpose(1, 2)),
+     "contiguous"),
+    (lambda b: dict(k=b.k.bfloat16()), "share a dtype"),
+    (lambda b: dict(v_cache=b.v_cache.bfloat16()), "one dtype"),
+    (lambda b: dict(k_cache=b.k_cache.double(), v_cache=b.v_cache.double()), "pool dtype"),
+    (lambda b: dict(k_cache=b.k_cache.to(torch.int8), v_cache=b.v_cache.to(torch.int8)),
+     "scale bytes"),
+    (lambda b: dict(q=b.q[..., :32]), "k and v must be"),
+    (lambda b: dict(slot_mapping=b.slot_mapping.float()), "int32 or int64"),
+    (lambda b: dict(q=b.q[:-1]), "k and v must be"),
+], ids=["heads", "qsl-size", "cache-layout", "qkv-dtypes", "cache-dtypes", "cache-fp64",
+        "int8-without-scales", "head-dim", "index-dtype", "token-count"])
+def test_bad_inputs_raise(change, match):
+    b = make_batch([(10, 4), (3, 1)], 8, 2, 64, 16)
+    a = dict(zip(["q", "k", "v", "k_cache", "v_cache", "slot_mapping", "block_tables",
+                  "context_lens", "query_start_loc", "scale"], b.args()))
+    a.update(change(b))
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.kiln.paged_attention_triton(*a.values())

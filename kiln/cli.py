@@ -2,6 +2,7 @@
 so `kiln serve` / `kiln generate` run where only the runtime's dependencies are installed."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -135,10 +136,31 @@ def serve(
     http_port: Optional[int] = typer.Option(None, "--http-port",
                                             help="also serve the OpenAI-compatible HTTP API "
                                                  "(/v1/completions, /v1/chat/completions) here"),
+    metrics_host: Optional[str] = typer.Option(None, "--metrics-host",
+                                               help="bind the metrics port here (default: "
+                                                    "--host)"),
+    metrics_auth: bool = typer.Option(False, "--metrics-auth",
+                                      help="require the bearer token on the metrics port too"),
+    max_request_bytes: int = typer.Option(16 * 2**20, "--max-request-bytes",
+                                          help="largest HTTP body / gRPC message (413 / "
+                                               "RESOURCE_EXHAUSTED beyond)"),
+    max_prompt_bytes: Optional[int] = typer.Option(
+        None, "--max-prompt-bytes", help="largest prompt text, refused before tokenizing "
+                                         "(default 64 x max_input_len, at least 1 MiB)"),
+    max_stop: int = typer.Option(64, "--max-stop", help="stop strings (and stop token ids) "
+                                                        "per request"),
+    max_bad_words: int = typer.Option(64, "--max-bad-words", help="bad words per request"),
+    max_prompts: int = typer.Option(64, "--max-prompts",
+                                    help="prompts x n choices per OpenAI request"),
+    max_messages: int = typer.Option(1024, "--max-messages", help="chat messages per request"),
+    max_stream_requests: int = typer.Option(
+        64, "--max-stream-requests", help="requests in flight per KServe ModelStreamInfer "
+                                          "stream; more are not read until one ends"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
     from runtime.server.app import ServeConfig, ServeError, run
+    from runtime.server.limits import RequestLimits
 
     if auth_token and auth_token_file:
         _fail("give --auth-token or --auth-token-file, not both", 2)
@@ -150,7 +172,15 @@ def serve(
                       model_name=model_name, max_batch_size=max_batch_size,
                       max_num_tokens=max_num_tokens, max_queue=max_queue,
                       drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
-                      auth_token=auth_token, http_port=http_port)
+                      auth_token=auth_token, http_port=http_port, metrics_host=metrics_host,
+                      metrics_auth=metrics_auth)
+    try:
+        cfg = dataclasses.replace(cfg, limits=RequestLimits(
+            max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,
+            max_stop=max_stop, max_bad_words=max_bad_words, max_prompts=max_prompts,
+            max_messages=max_messages, max_stream_requests=max_stream_requests))
+    except ValueError as e:
+        _fail(f"--{str(e).replace('_', '-')}", 2)
     try:
         code = run(cfg)
     except ServeError as e:

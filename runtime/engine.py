@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Optional, Sequence as Seq, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ import torch
 from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
                                        SchedulerOutput, Sequence, SequenceStatus, StepOutput)
 from runtime.executor import Executor, ModelInput
+from runtime.guided import GrammarCache, Masker
 from runtime.plan import Plan, load_plan
 from runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
 from runtime.tokenizer import Tokenizer
@@ -230,8 +231,10 @@ class _Request:
 
 @dataclass
 class SampledOutput(StepOutput):
-    """StepOutput plus the logprobs of the sampled tokens of requests that asked for them."""
+    """StepOutput plus the logprobs of the sampled tokens of requests that asked for them, and
+    the requests whose sampling failed (their token is None; the engine fails them alone)."""
     logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # request_id ->
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)  # request_id -> what failed
 
 
 class ModelRunner:
@@ -240,6 +243,7 @@ class ModelRunner:
     def __init__(self, executor: Executor, sampler: Sampler):
         self.executor = executor
         self.sampler = sampler
+        self.masker: Optional[Masker] = None     # made by the first constrained request
         self.tokens_per_block = executor.layout.tokens_per_block
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
@@ -278,26 +282,80 @@ class ModelRunner:
         sampled: list[Optional[int]] = [None] * len(out.seqs)
         if rows:
             seqs = [out.seqs[i] for i in rows]
-            toks = self.sampler(logits[rows] if len(rows) < len(out.seqs) else logits,
-                                [s.params for s in seqs], [s.token_ids for s in seqs],
-                                [s.num_prompt_tokens for s in seqs])
+            rl = logits[rows] if len(rows) < len(out.seqs) else logits
+            errors: dict[str, str] = {}
+            guided = self._masks(seqs, rl.shape[1])
+            try:
+                toks = self.sampler(rl, [s.params for s in seqs], [s.token_ids for s in seqs],
+                                    [s.num_prompt_tokens for s in seqs], guided)
+            except Exception:   # pin it on its request(s): sample row by row
+                toks = self._sample_rows(rl, seqs, errors, guided)
+            if guided is not None:
+                self._advance(seqs, guided[0], toks, errors)
             for i, t in zip(rows, toks):
                 sampled[i] = t
-            asked = [j for j, s in enumerate(seqs) if s.params.params.logprobs is not None]
+            asked = [j for j, s in enumerate(seqs)
+                     if s.params.params.logprobs is not None and toks[j] is not None]
             if asked:   # only requests that ask pay for a log_softmax
-                lps = self.sampler.logprobs(logits[[rows[j] for j in asked]],
-                                            [toks[j] for j in asked],
+                lps = self.sampler.logprobs(rl[asked], [toks[j] for j in asked],
                                             [seqs[j].params.params.logprobs for j in asked])
                 return SampledOutput(sampled, {seqs[j].request_id: lp
-                                               for j, lp in zip(asked, lps)})
+                                               for j, lp in zip(asked, lps)}, errors)
+            return SampledOutput(sampled, {}, errors)
         return SampledOutput(sampled)
+
+    def _masks(self, seqs: list[Sequence], vocab: int
+               ) -> Optional[tuple[list[int], torch.Tensor]]:
+        """(rows, bitmask) of the constrained requests among seqs; None when there are none
+        (unconstrained requests pay nothing)."""
+        rows = [j for j, s in enumerate(seqs) if s.params.guide is not None]
+        if not rows:
+            return None
+        if self.masker is None or self.masker.vocab_size != vocab:
+            self.masker = Masker(vocab, len(seqs))
+        return rows, self.masker.fill([seqs[j].params.guide for j in rows])
+
+    @staticmethod
+    def _advance(seqs: list[Sequence], rows: list[int], toks: list[Optional[int]],
+                 errors: dict[str, str]) -> None:
+        """Feed each constrained request its sampled token (a stop token ends it instead)."""
+        for j in rows:
+            s, t = seqs[j], toks[j]
+            if t is None or t in s.stop_token_ids:
+                continue
+            guide = s.params.guide
+            guide.advance(t)
+            if guide.error is not None:
+                errors[s.request_id] = guide.error
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
+                     errors: dict[str, str],
+                     guided: Optional[tuple[list[int], torch.Tensor]] = None
+                     ) -> list[Optional[int]]:
+        """The batch sampler raised: sample each row alone (the same tokens: rows never
+        interact, a seeded row draws from its own generator) -> tokens, None where a row
+        raises; errors[request_id] says why."""
+        toks: list[Optional[int]] = []
+        for j, s in enumerate(seqs):
+            try:
+                g = None
+                if guided is not None and j in guided[0]:
+                    g = ([0], guided[1][guided[0].index(j)][None])
+                toks.append(self.sampler(logits[j:j + 1], [s.params], [s.token_ids],
+                                         [s.num_prompt_tokens], g)[0])
+            except Exception as e:
+                log.exception("sampling failed for request %s", s.request_id)
+                errors[s.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                toks.append(None)
+        return toks
 
 
 class Engine:
     """Serves one model: submit() from any thread, a background thread runs steps."""
 
     def __init__(self, executor: Executor, tokenizer: Tokenizer, config: EngineConfig,
-                 start: bool = True):
+                 start: bool = True, vocab_size: Optional[int] = None):
+        """vocab_size: the model's (the logits' width; default the tokenizer's)."""
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
                              f"{executor.layout.tokens_per_block}")
@@ -312,6 +370,11 @@ class Engine:
         self._cv = threading.Condition()
         self._ids = itertools.count()
         self._closed = False
+        self.vocab_size = vocab_size or tokenizer.vocab_size
+        self._grammar_cache: Optional[GrammarCache] = None
+        self._grammar_lock = threading.Lock()
+        self.failure: Optional[str] = None      # why the engine loop died (None: it did not)
+        self._failure_callbacks: list[Callable[[str], None]] = []
         self.peak_blocks_used = 0
         self.num_finished = 0
         layout = executor.layout
@@ -334,7 +397,7 @@ class Engine:
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
         return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
-                   config, start=start)
+                   config, start=start, vocab_size=plan.model_config.get("vocab_size"))
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -349,8 +412,22 @@ class Engine:
                                     - self.scheduler.pool.num_free_blocks)
         now = time.monotonic()
         lps = getattr(step, "logprobs", None) or {}
-        return [self._emit(self._requests[seq.request_id], now, lps.get(seq.request_id))
-                for seq in self.scheduler.update(sched, step)]
+        for rid, error in (getattr(step, "errors", None) or {}).items():
+            self._fail(self._requests[rid], error)    # before update: it skips finished seqs
+        outs = []
+        for seq in self.scheduler.update(sched, step):
+            req = self._requests[seq.request_id]
+            try:
+                outs.append(self._emit(req, now, lps.get(seq.request_id)))
+            except Exception as e:     # detokenizer, stop strings: this request's alone
+                log.exception("request %s failed", seq.request_id)
+                self._fail(req, f"{type(e).__name__}: {e}")
+        return outs
+
+    def _fail(self, req: _Request, error: str) -> None:
+        """End one request with finish_reason 'error'; its blocks are freed at once."""
+        self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ERROR)
+        self._finish(req, "error", error)
 
     def run_pending(self) -> None:
         """Apply submissions and cancellations (engine thread, between steps)."""
@@ -359,7 +436,10 @@ class Engine:
         for kind, x in events:
             if kind == "add":
                 self._requests[x.seq.request_id] = x
-                self.scheduler.add(x.seq)
+                try:
+                    self.scheduler.add(x.seq)
+                except Exception as e:    # refused late (e.g. a duplicate id): this one fails
+                    self._finish(x, "error", f"{type(e).__name__}: {e}")
             else:
                 req = self._requests.get(x)
                 if req is not None:
@@ -367,22 +447,55 @@ class Engine:
                     self._finish(req, "cancelled")
 
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._inbox and not self.scheduler.has_work() and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-            self.run_pending()
-            if not self.scheduler.has_work():
-                continue
+        """The engine thread, supervised. A step that raises fails the requests it can be
+        pinned on -- a request whose sampling or detokenizing raised (see update), otherwise
+        the running batch -- and the loop goes on. Anything that escapes that (a fault in
+        the bookkeeping itself) ends the engine: every request fails, submit() refuses and
+        the failure callbacks run (the server reports NOT_SERVING)."""
+        try:
+            while self._run_once():
+                pass
+        except BaseException as e:
+            self._die(e)
+
+    def _run_once(self) -> bool:
+        with self._cv:
+            while not self._inbox and not self.scheduler.has_work() and not self._closed:
+                self._cv.wait()
+            if self._closed:
+                return False
+        self.run_pending()
+        if self.scheduler.has_work():
             try:
                 self.step()
-            except Exception as e:  # a failed step fails its requests, not the engine
+            except Exception as e:  # a failed step fails its batch, not the engine
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
-                    self._finish(self._requests[seq.request_id], "error", f"{type(e).__name__}: {e}")
+                    self._fail(self._requests[seq.request_id], f"{type(e).__name__}: {e}")
+        return True
+
+    def _die(self, exc: BaseException) -> None:
+        log.critical("the engine loop died; failing every request", exc_info=exc)
+        with self._cv:
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._closed = True
+            events, self._inbox, self._pending_adds = self._inbox, [], 0
+        # the scheduler may be inconsistent: end the streams without touching it
+        for req in list(self._requests.values()) + [x for k, x in events if k == "add"]:
+            self._finish(req, "error", f"the engine failed: {self.failure}")
+        for fn in list(self._failure_callbacks):
+            try:
+                fn(self.failure)
+            except Exception:
+                log.exception("an engine failure callback raised")
+
+    def on_failure(self, fn: Callable[[str], None]) -> None:
+        """Call fn(reason) (on the engine thread) if the engine loop dies; at once if it has."""
+        with self._cv:
+            self._failure_callbacks.append(fn)
+            failure = self.failure
+        if failure is not None:
+            fn(failure)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
@@ -390,6 +503,11 @@ class Engine:
         """Queue a request -> its stream. Raises RequestRefused (a ValueError) for a request
         that can never fit, QueueFullError when the waiting queue is full."""
         params = params or SamplingParams()
+        for name in ("stop_token_ids", "bad_token_ids"):
+            bad = [t for t in getattr(params, name) if t >= self.vocab_size]
+            if bad:
+                raise RequestRefused(f"{name}: token id {bad[0]} is outside the model's "
+                                     f"vocabulary [0, {self.vocab_size})")
         ids = self._prompt_ids(prompt)
         self.scheduler.check(len(ids), params.max_tokens)
         tok = self.tokenizer
@@ -403,9 +521,18 @@ class Engine:
                 if enc and enc not in bad:
                     bad.append(enc)
         state = SamplingState.create(params, sorted(stop_ids), bad)
+        if params.guided is not None:   # compiled here: a bad schema is refused, not streamed
+            if params.min_tokens:
+                raise RequestRefused("min_tokens cannot be combined with an output constraint: "
+                                     "the constraint decides where the output ends")
+            try:
+                state.guide = self._grammars().guide(params.guided)
+            except ValueError as e:
+                raise RequestRefused(str(e)) from None
         with self._cv:
             if self._closed:
-                raise EngineError("the engine is shut down")
+                raise EngineError(f"the engine failed ({self.failure})" if self.failure
+                                  else "the engine is shut down")
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if len(self.scheduler.waiting) + self._pending_adds >= self.config.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} "
@@ -429,11 +556,21 @@ class Engine:
             ids = self.tokenizer.apply_chat_template(list(prompt), tokenize=True)
         else:
             ids = [int(t) for t in prompt]
-            vocab = self.tokenizer.vocab_size
+            vocab = min(self.vocab_size, self.tokenizer.vocab_size)
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestRefused(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
+
+    def _grammars(self) -> GrammarCache:
+        """The compiler of constraints over this tokenizer, made by the first that needs it."""
+        with self._grammar_lock:
+            if self._grammar_cache is None:
+                tok = self.tokenizer
+                self._grammar_cache = GrammarCache(
+                    tok.to_json(), tok.eos_token_ids[0] if tok.eos_token_ids else None,
+                    max(self.vocab_size, tok.vocab_size))
+            return self._grammar_cache
 
     def _abort(self, request_id: str) -> None:
         with self._cv:
@@ -469,6 +606,9 @@ class Engine:
         text, stop = req.detok.step([tok])
         if stop is not None and not seq.is_finished:
             seq.stop_reason = stop
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        guide = seq.params.guide
+        if guide is not None and guide.done and not seq.is_finished:   # the grammar is complete
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if not seq.is_finished:
             out = self._output(req, [tok], text, None)
@@ -519,13 +659,24 @@ class Engine:
                 "tokens_generated": self.scheduler.num_generated_tokens,
                 "requests_finished": self.num_finished}
 
-    def shutdown(self) -> None:
-        """Stop the loop; requests still in flight end with finish_reason 'error'."""
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop (waiting at most `timeout` s for the step in progress); requests
+        still in flight end with finish_reason 'error'."""
         with self._cv:
             self._closed = True
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():   # a hung step: end the streams, leave the thread
+                log.error("the engine thread did not stop within %.0fs", timeout)
+                with self._cv:
+                    events, self._inbox, self._pending_adds = self._inbox, [], 0
+                for req in (list(self._requests.values())
+                            + [x for kind, x in events if kind == "add"]):
+                    self._finish(req, "error", "the engine shut down")
+                return
+        if self.failure is not None:      # _die already ended every request
+            return
         self.run_pending()
         for req in list(self._requests.values()):
             self.scheduler.finish(req.seq, SequenceStatus.FINISHED_ERROR)

@@ -5,7 +5,7 @@ own request's parameters, with tensor ops over the whole batch; only rows that n
 per-row step (a seeded generator, min_tokens, bad words) get one. Order, as in vLLM/HF:
 
     penalties (repetition on prompt+output; presence/frequency on output)
-    -> masks (stop tokens before min_tokens; bad words)
+    -> masks (stop tokens before min_tokens; bad words; grammar bitmasks, runtime/guided.py)
     -> greedy rows: argmax
     -> temperature -> top-k -> top-p -> softmax -> min-p -> draw
 
@@ -15,12 +15,16 @@ whatever else shares the batch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Optional, Sequence
 
 import torch
 
+from runtime.guided import GuidedDecoding, apply_bitmask
+
 MAX_LOGPROBS = 20   # top alternatives per token a request may ask for
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1   # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,7 @@ class SamplingParams:
     skip_special_tokens: bool = True     # in the output text
     logprobs: Optional[int] = None       # per output token: its logprob and the top-N
     #                                      alternatives (0: the chosen token only); None: off
+    guided: Optional[GuidedDecoding] = None  # constrain the output (JSON schema, regex, ...)
 
     def __post_init__(self):
         for name in ("stop", "bad_words"):
@@ -83,8 +88,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")
-        if self.seed is not None and not _is_int(self.seed):
-            bad("seed", "must be an integer or None")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX):
+            bad("seed", f"must be None or an integer in [{SEED_MIN}, {SEED_MAX}]")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
         for name in ("stop_token_ids", "bad_token_ids"):
@@ -95,6 +101,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            bad("guided", "must be None or a runtime.guided.GuidedDecoding")
 
     @property
     def greedy(self) -> bool:
@@ -116,7 +124,8 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A finite int or float (NaN and infinities are refused everywhere)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -126,6 +135,7 @@ class SamplingState:
     generator: Optional[torch.Generator] = None     # seeded requests only
     bad_words_ids: list[list[int]] = field(default_factory=list)  # token sequences to avoid
     min_tokens_mask: tuple[int, ...] = ()          # stop ids masked before min_tokens
+    guide: Optional[object] = None                 # runtime.guided.Guide of a constrained request
 
     @classmethod
     def create(cls, params: SamplingParams, stop_ids: Sequence[int] = (),
@@ -141,13 +151,17 @@ class Sampler:
     """Samples one token per row of a logits batch; rows are (SamplingState, token history)."""
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState],
-                 token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]) -> list[int]:
-        """logits [B, vocab] float32; token_ids[i] = row i's prompt + output so far."""
+                 token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
+                 guided: Optional[tuple[list[int], torch.Tensor]] = None) -> list[int]:
+        """logits [B, vocab] float32; token_ids[i] = row i's prompt + output so far;
+        guided: (rows, bitmask [len(rows), ceil(vocab/32)]) of the constrained rows."""
         B, V = logits.shape
         P = [s.params for s in states]
         logits = logits.float().clone()
         self._penalize(logits, P, token_ids, num_prompt_tokens)
         self._mask(logits, states, token_ids, num_prompt_tokens)
+        if guided is not None:     # grammar masks: one vectorized masked_fill over the rows
+            apply_bitmask(logits, *guided)
         temps = [p.temperature for p in P]
         greedy = [t == 0 for t in temps]
         if all(greedy):

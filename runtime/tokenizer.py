@@ -50,6 +50,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (what grammar compilers read the vocabulary from)."""
+        return self._tok.to_str()
+
     def token_text(self, token_id: Optional[int]) -> str:
         return "" if token_id is None else (self._tok.id_to_token(token_id) or "")
 

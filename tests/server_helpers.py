@@ -26,11 +26,13 @@ class ServerProcess:
 
     def __init__(self, plan: Path, *args: str, log_path: Path | None = None,
                  channel_credentials: grpc.ChannelCredentials | None = None,
-                 metadata: tuple = ()):
+                 metadata: tuple = (), metrics_token: str | None = None,
+                 entry: tuple = ("-m", "kiln.cli")):
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.creds, self.metadata = channel_credentials, metadata
-        cmd = [sys.executable, "-m", "kiln.cli", "serve", str(plan), "--host", "127.0.0.1",
+        self.metrics_token = metrics_token     # with --metrics-auth
+        cmd = [sys.executable, *entry, "serve", str(plan), "--host", "127.0.0.1",
                "--port", str(self.port), "--metrics-port", str(self.metrics_port), *args]
         self.log_path = log_path
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
@@ -64,8 +66,10 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """The kiln_* samples of /metrics, keyed by name{labels}."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics",
-                                      timeout=5).read().decode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        if self.metrics_token:
+            req.add_header("Authorization", f"Bearer {self.metrics_token}")
+        text = urllib.request.urlopen(req, timeout=5).read().decode()
         out = {}
         for line in text.splitlines():
             if line.startswith("kiln_"):

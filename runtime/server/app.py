@@ -3,7 +3,12 @@
     start:  check limits against the manifest -> bind, start gRPC (health NOT_SERVING)
             -> load + verify the plan, start the engine -> health SERVING
     SIGTERM/SIGINT: health NOT_SERVING, new requests UNAVAILABLE -> in-flight requests
-            finish within drain_seconds -> the rest are cancelled -> stop -> exit 0
+            finish within drain_seconds -> the rest are cancelled -> stop -> exit code
+    a second SIGTERM/SIGINT while draining: cancel everything now, stop -> exit 4
+    the engine loop dies: health NOT_SERVING, every request UNAVAILABLE (exit 5 on SIGTERM)
+
+Exit codes: 0 drained cleanly; 2 bad settings or plan; 3 the drain time ran out and
+requests were cancelled; 4 forced by a second signal; 5 the engine had failed.
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ from tritonclient.grpc import service_pb2_grpc as kserve_pb2_grpc
 
 from runtime.engine import Engine, EngineConfig
 from runtime.plan import Plan, load_plan, read_manifest
-from runtime.server.frontend import Frontend
+from runtime.server.frontend import Frontend, State
 from runtime.server.kserve import KServeService
+from runtime.server.limits import RequestLimits
 from runtime.server.native import NativeService
 from runtime.server.proto import kiln_pb2, kiln_pb2_grpc
 
@@ -34,7 +40,7 @@ log = logging.getLogger("kiln.server")
 KSERVE = kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 NATIVE = kiln_pb2.DESCRIPTOR.services_by_name["Kiln"].full_name
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)   # callable without the bearer token
-MAX_MESSAGE = 64 * 2**20
+EXIT_OK, EXIT_CANCELLED, EXIT_FORCED, EXIT_ENGINE_FAILED = 0, 3, 4, 5
 
 
 class ServeError(RuntimeError):
@@ -56,6 +62,9 @@ class ServeConfig:
     tls_key: Optional[Path] = None
     auth_token: Optional[str] = None
     http_port: Optional[int] = None          # the OpenAI-compatible HTTP API; None: off
+    metrics_host: Optional[str] = None       # default: host
+    metrics_auth: bool = False               # the bearer token on the metrics port too
+    limits: RequestLimits = RequestLimits()  # per-request caps (runtime/server/limits.py)
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -84,6 +93,8 @@ def check_config(cfg: ServeConfig) -> tuple[dict, str]:
         raise ServeError(str(e))
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ServeError("TLS needs both --tls-cert and --tls-key")
+    if cfg.metrics_auth and not cfg.auth_token:
+        raise ServeError("--metrics-auth needs --auth-token or --auth-token-file")
     return manifest, cfg.model_name or manifest["name"]
 
 
@@ -128,11 +139,12 @@ def _refusing(handler):
 async def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM/SIGINT and a drain; the process's exit code."""
     _, model_name = check_config(cfg)
-    fe = Frontend(model_name)
+    fe = Frontend(model_name, limits=cfg.limits)
     interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
+    max_message = cfg.limits.max_request_bytes   # larger: RESOURCE_EXHAUSTED, never read
     server = grpc.aio.server(interceptors=interceptors, options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE),
-        ("grpc.max_send_message_length", MAX_MESSAGE)])
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", max(max_message, 64 * 2**20))])
     kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(fe), server)
     kiln_pb2_grpc.add_KilnServicer_to_server(NativeService(fe), server)
     health_svc = health.aio.HealthServicer()
@@ -163,7 +175,8 @@ async def serve(cfg: ServeConfig) -> int:
             await server.stop(0)
             raise
     if cfg.metrics_port is not None:
-        fe.metrics.serve(cfg.host, cfg.metrics_port)
+        fe.metrics.serve(cfg.metrics_host or cfg.host, cfg.metrics_port,
+                         cfg.auth_token if cfg.metrics_auth else None)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -194,18 +207,40 @@ async def serve(cfg: ServeConfig) -> int:
     fe.set_ready(engine, plan)
     for svc in ("", KSERVE, NATIVE):
         await health_svc.set(svc, OK)
+
+    async def engine_failed(reason: str) -> None:
+        log.critical("the engine failed (%s): health NOT_SERVING, refusing every request",
+                     reason)
+        fe.set_failed(reason)
+        for svc in ("", KSERVE, NATIVE):
+            await health_svc.set(svc, NOT)
+
+    def on_engine_failure(reason: str) -> None:     # on the engine thread
+        try:
+            asyncio.run_coroutine_threadsafe(engine_failed(reason), loop)
+        except RuntimeError:    # the loop is closed: the server is gone anyway
+            pass
+
+    engine.on_failure(on_engine_failure)
     log.info("serving %r on %s (%s, KServe v2 + kiln.v1), metrics on %s; loaded in %.1fs",
              model_name, address, "TLS" if cfg.tls_cert else "plaintext",
-             f"{cfg.host}:{cfg.metrics_port}" if cfg.metrics_port is not None else "off",
+             f"{cfg.metrics_host or cfg.host}:{cfg.metrics_port}" if cfg.metrics_port is not None
+             else "off",
              time.monotonic() - t0)
 
     await stop.wait()
-    await drain(fe, server, health_svc, cfg.drain_seconds)
+    force = asyncio.Event()       # a second signal: stop draining, cancel everything now
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, force.set)
+    failed = fe.state is State.FAILED
+    code = await drain(fe, server, health_svc, cfg.drain_seconds, force)
     if http is not None:    # drained with the gRPC server: refused new work, then stopped
         await http.stop()
-    engine.shutdown()
-    log.info("stopped")
-    return 0
+    await loop.run_in_executor(None, engine.shutdown, 10.0)
+    if failed or fe.state is State.FAILED:
+        code = EXIT_ENGINE_FAILED
+    log.info("stopped (exit code %d)", code)
+    return code
 
 
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
@@ -213,17 +248,24 @@ def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
     return Engine.from_plan(plan, **cfg.overrides()), plan
 
 
-async def drain(fe: Frontend, server, health_svc, seconds: float) -> None:
-    """Refuse new work, let what was accepted finish, cancel what is left, stop."""
+async def drain(fe: Frontend, server, health_svc, seconds: float,
+                force: Optional[asyncio.Event] = None) -> int:
+    """Refuse new work, let what was accepted finish, cancel what is left, stop -> the exit
+    code: EXIT_OK, EXIT_CANCELLED (the time ran out) or EXIT_FORCED (`force` was set)."""
     fe.start_draining()
     for svc in ("", KSERVE, NATIVE):
         await health_svc.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
     n = len(fe.in_flight)
     log.info("draining: %d requests in flight, up to %.1fs", n, seconds)
-    if not await fe.wait_idle(seconds):
-        log.warning("drain time is up: cancelling %d requests", fe.cancel_all())
-        await fe.wait_idle(5.0)   # their final (cancelled) responses go out
-    await server.stop(grace=1.0)
+    code = EXIT_OK
+    if not await fe.wait_idle(seconds, force):
+        forced = force is not None and force.is_set()
+        code = EXIT_FORCED if forced else EXIT_CANCELLED
+        log.warning("%s: cancelling %d requests", "second signal" if forced
+                    else "drain time is up", fe.cancel_all())
+        await fe.wait_idle(0.5 if forced else 5.0)   # their final (cancelled) responses go out
+    await server.stop(grace=0 if code == EXIT_FORCED else 1.0)
+    return code
 
 
 def run(cfg: ServeConfig) -> int:

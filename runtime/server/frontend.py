@@ -24,6 +24,7 @@ from runtime.engine import Engine, Prompt, RequestOutput, RequestStream
 from runtime.plan import Plan
 from runtime.sampling import SamplingParams
 from runtime.server.errors import ServiceError, classify, unavailable
+from runtime.server.limits import RequestLimits
 from runtime.server.metrics import Metrics
 
 
@@ -31,13 +32,17 @@ class State(enum.Enum):
     LOADING = "loading"      # the server is up, the plan is not loaded yet
     READY = "ready"
     DRAINING = "draining"    # SIGTERM: finishing what was accepted, refusing the rest
+    FAILED = "failed"        # the engine loop died: every request is refused
 
 
 class Frontend:
     """The served model: its name, plan, engine and lifecycle state."""
 
-    def __init__(self, model_name: str, metrics: Optional[Metrics] = None):
+    def __init__(self, model_name: str, metrics: Optional[Metrics] = None,
+                 limits: Optional[RequestLimits] = None):
         self.model_name = model_name
+        self.limits = limits or RequestLimits()
+        self.failure: Optional[str] = None
         self.engine: Optional[Engine] = None
         self.plan: Optional[Plan] = None
         self.state = State.LOADING
@@ -53,7 +58,13 @@ class Frontend:
         self.metrics.ready.set(1)
 
     def start_draining(self) -> None:
-        self.state = State.DRAINING
+        if self.state is not State.FAILED:
+            self.state = State.DRAINING
+        self.metrics.ready.set(0)
+
+    def set_failed(self, reason: str) -> None:
+        """The engine died (Engine.on_failure): refuse everything from now on."""
+        self.state, self.failure = State.FAILED, reason
         self.metrics.ready.set(0)
 
     @property
@@ -65,11 +76,15 @@ class Frontend:
             raise unavailable("the model is still loading; retry when health reports SERVING")
         if self.state is State.DRAINING:
             raise unavailable("the server is shutting down and accepts no new requests")
+        if self.state is State.FAILED:
+            raise unavailable(f"the engine failed ({self.failure}); the server must be "
+                              "restarted")
 
-    async def wait_idle(self, timeout: float) -> bool:
-        """Wait until no request is in flight (True) or timeout seconds pass (False)."""
+    async def wait_idle(self, timeout: float, stop: Optional[asyncio.Event] = None) -> bool:
+        """Wait until no request is in flight (True) or timeout seconds pass or `stop` is
+        set (False)."""
         deadline = time.monotonic() + timeout
-        while self.in_flight and time.monotonic() < deadline:
+        while self.in_flight and time.monotonic() < deadline and not (stop and stop.is_set()):
             await asyncio.sleep(0.02)
         return not self.in_flight
 
@@ -88,7 +103,9 @@ class Frontend:
         Must be entered from a coroutine on the server's event loop."""
         try:
             self.check_ready()
-            stream = self.engine.submit(prompt, params, f"kiln-{next(self._ids)}")
+            self.limits.check_prompt(prompt, self.engine.config.input_len)
+            self.limits.check_params(params)
+            stream = await self._submit(prompt, params, f"kiln-{next(self._ids)}")
         except Exception as e:
             err = classify(e)
             self.metrics.refused(err.outcome)
@@ -105,6 +122,18 @@ class Frontend:
             if not stream.finished:     # the caller went away: free the request's blocks
                 stream.cancel()
                 self.metrics.refused("cancelled")
+
+    async def _submit(self, prompt: Prompt, params: SamplingParams, rid: str) -> RequestStream:
+        """engine.submit on a worker thread: tokenizing a long prompt (or bad words) never
+        stalls the event loop. A caller that goes away meanwhile cancels what it submitted."""
+        fut = asyncio.get_running_loop().run_in_executor(None, self.engine.submit, prompt,
+                                                         params, rid)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                  or f.result().cancel())
+            raise
 
     async def _outputs(self, stream: RequestStream) -> AsyncIterator[RequestOutput]:
         async for out in stream:

@@ -20,6 +20,7 @@ the output tokens of its delta (their sum is the total).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,6 +32,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 import kiln
 from runtime.engine import RequestOutput
+from runtime.guided import GuidedDecoding
 from runtime.sampling import SamplingParams
 from runtime.server.errors import ServiceError, invalid, not_found
 from runtime.server.frontend import Frontend
@@ -73,8 +75,15 @@ INPUTS: dict[str, InputSpec] = {
     "return_log_probs": InputSpec(_BOOL),
     "return_context_logits": InputSpec(_BOOL),
     "return_generation_logits": InputSpec(_BOOL),
+    # output constraints (at most one; runtime/guided.py): refused at submission when they
+    # do not compile
+    "guided_json": InputSpec(_BYTES),      # a JSON schema (JSON text), e.g. {"type": "object"}
+    "guided_regex": InputSpec(_BYTES),
+    "guided_choice": InputSpec(_BYTES, words=True),
+    "guided_grammar": InputSpec(_BYTES),   # Lark, or GBNF (rules `name ::= ...`)
 }
 _UNSERVED = ("return_log_probs", "return_context_logits", "return_generation_logits")
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 OUTPUTS = {"text_output": "BYTES", "num_input_tokens": "INT32", "num_output_tokens": "INT32"}
 
 
@@ -124,6 +133,9 @@ def parse(request, max_tokens_limit: int) -> Job:
         if spec.required and name not in tensors:
             raise invalid(f"missing required input {name!r}")
     v = {n: (_words(t) if INPUTS[n].words else _scalar(t)) for n, t in tensors.items()}
+    for name, t in tensors.items():   # every float input, used or not (length_penalty)
+        if t.datatype == "FP32" and not math.isfinite(v[name]):
+            raise invalid(f"input {name!r} = {v[name]}: must be a finite number")
     prompt = _utf8("text_input", v["text_input"])
     max_tokens = v["max_tokens"]
     if max_tokens < 1 or max_tokens > max_tokens_limit:
@@ -152,6 +164,7 @@ def parse(request, max_tokens_limit: int) -> Job:
     kw["stop"] = tuple(v.get("stop_words", ()))
     kw["bad_words"] = tuple(v.get("bad_words", ()))
     try:
+        kw["guided"] = _guided(v)
         params = SamplingParams(max_tokens=max_tokens, **kw)
     except ValueError as e:
         raise invalid(str(e).replace("SamplingParams.", "input "))
@@ -165,6 +178,22 @@ def parse(request, max_tokens_limit: int) -> Job:
                           f"{', '.join(OUTPUTS)}")
     return Job(request.id, prompt, params, bool(v.get("stream", False)),
                bool(v.get("exclude_input_in_output", False)), outputs)
+
+
+def _guided(v: dict) -> Optional[GuidedDecoding]:
+    """The request's guided_* input, if any (ValueError for two or a bad one)."""
+    given = [n for n in GUIDED if n in v]
+    if len(given) > 1:
+        raise ValueError(f"give one output constraint, not {' and '.join(given)}")
+    if not given:
+        return None
+    name = given[0]
+    if name == "guided_choice":
+        return GuidedDecoding("choice", choices=tuple(v[name]))
+    text = _utf8(name, v[name])
+    if name == "guided_json":
+        return GuidedDecoding.json_schema(text)
+    return GuidedDecoding("regex" if name == "guided_regex" else "grammar", text)
 
 
 def response(job: Job, model: str, text: str, num_input: int, num_output: int,
@@ -267,15 +296,15 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             if job.stream:
                 self.fe.metrics.refused("invalid")
                 raise invalid("stream = true needs the ModelStreamInfer RPC (decoupled model)")
-            res = await self._complete(job)
+            res = await self._complete(job, t0)
         except ServiceError as e:
             self.stats.fail(t0)
             await context.abort(e.code, e.message)
-        self.stats.success(t0)
         return res
 
-    async def _complete(self, job: Job) -> pb.ModelInferResponse:
-        """Run a request to its end -> one response (raises ServiceError on failure)."""
+    async def _complete(self, job: Job, t0: float) -> pb.ModelInferResponse:
+        """Run a request to its end -> one response (raises ServiceError on failure; a
+        success is counted in the statistics)."""
         async with self.fe.request(job.prompt, job.params) as (stream, outputs):
             texts, last = [], None
             async for out in outputs:
@@ -289,14 +318,22 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         text = "".join(texts)
         if not job.exclude_input:
             text = job.prompt + text
+        self.stats.success(t0, last)
         return response(job, self.fe.model_name, text, len(stream.prompt_token_ids),
                         last.usage.completion_tokens)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Requests are read by one task and run by one task each; this generator is the only
         writer. The stream ends when the client is done sending and every request has ended;
-        if the call ends first (cancelled, deadline), the finally cancels all of them."""
-        out_q: asyncio.Queue = asyncio.Queue()
+        if the call ends first (cancelled, deadline), the finally cancels all of them.
+
+        Backpressure: at most limits.max_stream_requests requests run at once (the reader
+        stops reading until one ends) and the response queue is bounded (a request's task
+        waits while the client is not reading), so a client that writes and never reads
+        is throttled by HTTP/2 flow control instead of growing the server's memory."""
+        cap = self.fe.limits.max_stream_requests
+        out_q: asyncio.Queue = asyncio.Queue(maxsize=2 * cap)
+        slots = asyncio.Semaphore(cap)
         done = object()
         tasks: set[asyncio.Task] = set()
         pending = 1                       # the reader, plus one per request started
@@ -310,14 +347,16 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                         job = self._parse(request)
                     except ServiceError as e:
                         self.stats.fail(t0)
-                        out_q.put_nowait(_error(request.id, e.message))
+                        await out_q.put(_error(request.id, e.message))
                         continue
+                    await slots.acquire()      # released when the request's task ends
                     pending += 1
                     task = asyncio.create_task(self._stream_one(job, out_q, done, t0))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
+                    task.add_done_callback(lambda _: slots.release())
             finally:
-                out_q.put_nowait(done)
+                _put_done(out_q, done)
 
         reader = asyncio.create_task(read())
         try:
@@ -335,10 +374,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
     async def _stream_one(self, job: Job, out_q: asyncio.Queue, done, t0: float) -> None:
         try:
             if not job.stream:
-                res = await self._complete(job)
+                res = await self._complete(job, t0)
                 res.parameters["triton_final_response"].bool_param = True
-                out_q.put_nowait(pb.ModelStreamInferResponse(infer_response=res))
-                self.stats.success(t0)
+                await out_q.put(pb.ModelStreamInferResponse(infer_response=res))
                 return
             async with self.fe.request(job.prompt, job.params) as (stream, outputs):
                 n_in, carried = len(stream.prompt_token_ids), 0
@@ -348,15 +386,25 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                         raise ServiceError(grpc.StatusCode.INTERNAL, _ended(out), "error")
                     if not out.text and not out.finished:
                         continue          # a partial UTF-8 character: its tokens go next
-                    out_q.put_nowait(pb.ModelStreamInferResponse(infer_response=response(
+                    if out.finished:
+                        self.stats.success(t0, out)
+                    await out_q.put(pb.ModelStreamInferResponse(infer_response=response(
                         job, self.fe.model_name, out.text, n_in, carried, out.finished)))
                     carried = 0
-            self.stats.success(t0)
         except ServiceError as e:
             self.stats.fail(t0)
-            out_q.put_nowait(_error(job.id, e.message))
+            await out_q.put(_error(job.id, e.message))
         finally:
-            out_q.put_nowait(done)
+            _put_done(out_q, done)
+
+
+def _put_done(out_q: asyncio.Queue, done) -> None:
+    """Mark a reader or request task ended, without waiting (it may be being cancelled): a
+    full queue gets the mark when the writer has room (or never, when the call is gone)."""
+    if out_q.full():
+        asyncio.ensure_future(out_q.put(done))
+    else:
+        out_q.put_nowait(done)
 
 
 def _ended(out: RequestOutput) -> str:
@@ -373,17 +421,37 @@ def _error(request_id: str, message: str) -> pb.ModelStreamInferResponse:
 
 
 class _Stats:
-    """Counts and durations for ModelStatistics (Triton's InferStatistics)."""
+    """Counts and durations for ModelStatistics (Triton's InferStatistics). Per successful
+    request, from its engine timings (perf_analyzer picks the model version whose
+    queue.count grows, and reports these as server-side latency):
+
+        queue           arrival in the engine -> first scheduled
+        compute_input   first scheduled -> first token (prefill)
+        compute_infer   first token -> last token (decode)
+        compute_output  the rest of the request's time in the server: decoding the
+                        request, submitting it and delivering its responses
+    """
+
+    PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
 
     def __init__(self):
         self.ok = self.failed = 0
         self.ok_ns = self.failed_ns = 0
         self.last_ms = 0
+        self.phase_ns = dict.fromkeys(self.PHASES, 0)
 
-    def success(self, t0: float) -> None:
+    def success(self, t0: float, last: RequestOutput) -> None:
+        total = time.monotonic() - t0
         self.ok += 1
-        self.ok_ns += int((time.monotonic() - t0) * 1e9)
+        self.ok_ns += int(total * 1e9)
         self.last_ms = int(time.time() * 1000)
+        t = last.timings
+        queue = t.queue_time or 0.0
+        ttft = max(t.ttft or queue, queue)
+        e2e = max(t.e2e or ttft, ttft)
+        for name, sec in zip(self.PHASES, (queue, ttft - queue, e2e - ttft,
+                                           max(0.0, total - e2e))):
+            self.phase_ns[name] += int(sec * 1e9)
 
     def fail(self, t0: float) -> None:
         self.failed += 1
@@ -394,4 +462,7 @@ class _Stats:
                                inference_count=self.ok, execution_count=self.ok)
         s.inference_stats.success.count, s.inference_stats.success.ns = self.ok, self.ok_ns
         s.inference_stats.fail.count, s.inference_stats.fail.ns = self.failed, self.failed_ns
+        for name, ns in self.phase_ns.items():
+            d = getattr(s.inference_stats, name)
+            d.count, d.ns = self.ok, ns
         return s

@@ -6,6 +6,8 @@ Request-level series are recorded by the Frontend as requests end; engine-level 
 """
 from __future__ import annotations
 
+import hmac
+import threading
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -92,6 +94,27 @@ class Metrics:
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def serve(self, host: str, port: int):
-        """Start the HTTP exposition server (a daemon thread) -> (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, auth_token: Optional[str] = None):
+        """Start the HTTP exposition server (a daemon thread) -> (server, thread). With
+        auth_token, a scrape needs 'Authorization: Bearer TOKEN' (else 401)."""
+        if auth_token is None:
+            return start_http_server(port, addr=host, registry=self.registry)
+        from wsgiref.simple_server import make_server
+        from prometheus_client.exposition import (ThreadingWSGIServer, _SilentHandler,
+                                                  make_wsgi_app)
+        app, expected = make_wsgi_app(self.registry), f"Bearer {auth_token}".encode()
+
+        def guarded(environ, start_response):
+            got = environ.get("HTTP_AUTHORIZATION", "").encode()
+            if hmac.compare_digest(got, expected):
+                return app(environ, start_response)
+            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"),
+                                                ("Content-Type", "text/plain")])
+            return [b"missing or wrong bearer token\n"]
+
+        server = make_server(host, port, guarded, ThreadingWSGIServer,
+                             handler_class=_SilentHandler)
+        thread = threading.Thread(target=server.serve_forever, name="kiln-metrics",
+                                  daemon=True)
+        thread.start()
+        return server, thread

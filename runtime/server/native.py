@@ -2,9 +2,11 @@
 token ids, text deltas, finish reason, usage and timings per chunk; Tokenize; GetModelInfo."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from runtime.engine import RequestOutput
+from runtime.guided import GuidedDecoding
 from runtime.sampling import SamplingParams
 from runtime.server.errors import ServiceError, classify, invalid
 from runtime.server.frontend import Frontend
@@ -23,9 +25,27 @@ def sampling_params(p: pb.SamplingParams) -> SamplingParams:
               bad_words=tuple(p.bad_words), ignore_eos=p.ignore_eos,
               include_stop_str_in_output=p.include_stop_str_in_output)
     try:
+        if p.HasField("guided"):
+            kw["guided"] = guided_decoding(p.guided)
         return SamplingParams(**kw)
     except ValueError as e:
         raise invalid(str(e))
+
+
+def guided_decoding(g: pb.GuidedDecoding) -> GuidedDecoding:
+    """The proto's constraint (ValueError when it has none or a bad one)."""
+    which = g.WhichOneof("kind")
+    if which is None:
+        raise ValueError("guided: set one of json_schema, json_object, regex, choice, grammar")
+    if which == "json_schema":
+        return GuidedDecoding.json_schema(g.json_schema)
+    if which == "json_object":
+        if not g.json_object:
+            raise ValueError("guided.json_object must be true when set")
+        return GuidedDecoding("json_object")
+    if which == "choice":
+        return GuidedDecoding("choice", choices=tuple(g.choice.choices))
+    return GuidedDecoding(which, getattr(g, which))
 
 
 def prompt_of(request):
@@ -80,10 +100,12 @@ class NativeService(pb_grpc.KilnServicer):
             self.fe.check_ready()
             tok = self.fe.engine.tokenizer
             prompt = prompt_of(request)
-            if isinstance(prompt, str):
-                ids = tok.encode(prompt, add_special_tokens=request.add_special_tokens)
+            self.fe.limits.check_prompt(prompt, self.fe.engine.config.input_len)
+            if isinstance(prompt, str):      # tokenized off the event loop
+                ids = await asyncio.to_thread(tok.encode, prompt,
+                                              add_special_tokens=request.add_special_tokens)
             elif prompt and isinstance(prompt[0], dict):
-                ids = tok.apply_chat_template(prompt, tokenize=True)
+                ids = await asyncio.to_thread(tok.apply_chat_template, prompt, tokenize=True)
             else:
                 raise invalid("Tokenize takes a prompt or chat messages")
         except Exception as e:

@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.engine import RequestOutput
 from runtime.server.errors import ServiceError
 from runtime.server.frontend import Frontend
+from runtime.server.limits import RequestLimits
 from runtime.server.openai_protocol import (FINISH, ChoiceState, Job, OpenAIError, chunk_json,
                                             envelope, final_json, invalid, parse_chat,
                                             parse_completion, usage_json)
@@ -96,6 +97,69 @@ async def _merged(outputs: list[AsyncIterator[RequestOutput]]
             t.cancel()
 
 
+class BodyLimit:
+    """ASGI middleware: a request body over max_bytes is answered 413 before any of it is
+    read when its Content-Length says so, or as soon as a chunked body passes the cap."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(413, f"the request body is larger than {self.max_bytes} bytes "
+                           "(kiln serve --max-request-bytes)", "invalid_request_error", None,
+                           "request_too_large")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.strip().isdigit()
+                                   or int(length) > self.max_bytes):
+            body = json.dumps(self._too_large().body()).encode()
+            await send({"type": "http.response.start", "status": 413,
+                        "headers": [(b"content-type", b"application/json"),
+                                    (b"content-length", str(len(body)).encode()),
+                                    (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise self._too_large()
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _check_body(body: dict, limits: RequestLimits, max_input_len: int) -> None:
+    """Caps on the raw body, before it is parsed and tokenized. Raises OpenAIError (400)."""
+    try:
+        prompt, messages = body.get("prompt"), body.get("messages")
+        if isinstance(prompt, str):
+            limits.check_prompt(prompt, max_input_len)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            limits.check_prompt(prompt, max_input_len)      # one prompt of token ids
+        elif isinstance(prompt, list):
+            limits.check_count("prompt", prompt, limits.max_prompts)
+            for p in prompt:
+                if isinstance(p, (str, list)):
+                    limits.check_prompt(p, max_input_len)
+        if isinstance(messages, list):
+            limits.check_count("messages", messages, limits.max_messages)
+            limits.check_prompt([m for m in messages if isinstance(m, dict)] or "",
+                                max_input_len)
+        for name, cap in (("stop", limits.max_stop), ("stop_token_ids", limits.max_stop)):
+            if isinstance(body.get(name), list):
+                limits.check_count(name, body[name], cap)
+    except ServiceError as e:
+        raise invalid(e.message, None, "limit_exceeded")
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone away."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -117,8 +181,9 @@ class OpenAIApp:
         app.add_exception_handler(OpenAIError, _error_response)
         app.add_exception_handler(StarletteHTTPException, _http_error)
         app.add_exception_handler(Exception, _internal_error)
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_middleware(BodyLimit, max_bytes=self.fe.limits.max_request_bytes)
+        app.add_api_route("/health", self.health, methods=["GET"])   # the one open route
+        app.add_api_route("/metrics", self.metrics, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/models", self.models, methods=["GET"], dependencies=auth)
         app.add_api_route("/v1/models/{model:path}", self.model, methods=["GET"],
                           dependencies=auth)
@@ -191,7 +256,14 @@ class OpenAIApp:
         try:
             self._ready()
             self._check_model(body.get("model"))
-            job: Job = parse(body, self.fe.engine.tokenizer)
+            _check_body(body, self.fe.limits, self.fe.engine.config.input_len)
+            # tokenizing (prompts, the chat template) off the event loop
+            job: Job = await asyncio.to_thread(parse, body, self.fe.engine.tokenizer)
+            if len(job.choices) > self.fe.limits.max_prompts:
+                raise invalid(f"{len(job.prompts)} prompts x n = {job.n} is "
+                              f"{len(job.choices)} choices; at most "
+                              f"{self.fe.limits.max_prompts} are allowed", "n",
+                              "limit_exceeded")
         except OpenAIError as e:    # counted as the gRPC services count their refusals
             self.fe.metrics.refused(_OUTCOME.get(e.status, "invalid"))
             raise

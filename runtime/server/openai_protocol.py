@@ -2,9 +2,12 @@
 
 A request body is checked in three passes, each refusal a 400 that names the parameter:
 
-    body --refused parameters (tools, response_format, ...)--> --pydantic (types, unknown
+    body --refused parameters (logit_bias, audio, ...)--> --pydantic (types, unknown
     fields)--> --SamplingParams (ranges)--> Job: one (prompt token ids, SamplingParams) per
     choice, prompt after prompt, n choices each
+
+Structured output (response_format, guided_*) and tools: openai_tools.py; a schema or
+grammar that does not compile is refused by the engine at submission (400), never mid-stream.
 
 Parameters Kiln cannot honour are refused, never ignored; `user` and a few bookkeeping fields
 (metadata, store=false, service_tier, safety_identifier, prompt_cache_key) are accepted and
@@ -23,7 +26,9 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from runtime.engine import RequestOutput, Usage
-from runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from runtime.sampling import MAX_LOGPROBS, SEED_MAX, SamplingParams, TokenLogprobs
+from runtime.server.openai_tools import GUIDED_PARAMS, ToolError, Tools, guided_of, \
+    parse_tools, render_messages
 from runtime.tokenizer import Tokenizer
 
 MAX_N = 64   # choices per prompt
@@ -55,12 +60,8 @@ def _off(v) -> bool:
 
 REFUSED: dict[str, tuple[Any, str]] = {
     # name: (test of a value that is harmless, why it is refused)
-    "tools": (_off, "tool calling is not supported"),
-    "tool_choice": (lambda v: v in (None, "none"), "tool calling is not supported"),
     "functions": (_off, "function calling is not supported"),
     "function_call": (lambda v: v in (None, "none"), "function calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "structured output (json_object, json_schema) is not supported"),
     "logit_bias": (_off, "logit_bias is not supported"),
     "audio": (_off, "audio output is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
@@ -102,7 +103,13 @@ class _Common(_Strict):
     service_tier: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None     # Kiln's prefix cache needs no key
-    parallel_tool_calls: Optional[bool] = None  # meaningless without tools (refused)
+    parallel_tool_calls: Optional[bool] = None  # false: tool_choice required makes one call
+    # structured output (openai_tools.py): response_format, or vLLM's guided_* (extra_body)
+    response_format: Optional[dict] = None
+    guided_json: Union[dict, str, None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # Kiln (and vLLM) extensions
     top_k: Optional[int] = None
     min_p: Optional[float] = None
@@ -124,6 +131,8 @@ class ChatBody(_Common):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    tools: Optional[list] = None
+    tool_choice: Union[str, dict, None] = None
 
 
 @dataclass
@@ -138,6 +147,7 @@ class Job:
     include_usage: bool
     continuous_usage: bool
     logprobs: bool
+    tools: Optional[Tools] = None     # chat with tools: replies may become tool_calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -162,8 +172,21 @@ def _validate(model: type[BaseModel], body: dict) -> Any:
 _SP_FIELD = re.compile(r"SamplingParams\.(\w+)")
 
 
+def _guided(b: _Common, tools: Optional[Tools] = None):
+    """The request's output constraint (GuidedDecoding or None); 400 naming a bad one."""
+    try:
+        guided, name = guided_of({k: getattr(b, k) for k in GUIDED_PARAMS})
+        forced = tools.guided(b.parallel_tool_calls is not False) if tools else None
+    except ToolError as e:
+        raise invalid(str(e), e.param)
+    if forced is not None and guided is not None:
+        raise invalid(f"{name} and tool_choice {tools.choice} both constrain the output; "
+                      "give one", name)
+    return forced or guided
+
+
 def _params(b: _Common, max_tokens: Optional[int], logprobs: Optional[int],
-            renames: dict[str, str]) -> SamplingParams:
+            renames: dict[str, str], guided=None) -> SamplingParams:
     if b.temperature is not None and not 0 <= b.temperature <= 2:
         raise invalid(f"temperature must be in [0, 2] (got {b.temperature})", "temperature")
     kw = {k: getattr(b, k) for k in ("temperature", "top_p", "presence_penalty",
@@ -171,7 +194,7 @@ def _params(b: _Common, max_tokens: Optional[int], logprobs: Optional[int],
                                      "repetition_penalty", "min_tokens", "ignore_eos",
                                      "skip_special_tokens", "include_stop_str_in_output")
           if getattr(b, k) is not None}
-    kw.update(max_tokens=max_tokens, logprobs=logprobs,
+    kw.update(max_tokens=max_tokens, logprobs=logprobs, guided=guided,
               stop=b.stop or (), stop_token_ids=tuple(b.stop_token_ids or ()))
     try:
         return SamplingParams(**kw)
@@ -198,8 +221,9 @@ def _choices(prompts: list[list[int]], n: int, params: SamplingParams
     for ids in prompts:
         for i in range(n):
             p = params
-            if p.seed is not None and i:
-                p = dataclasses.replace(p, seed=p.seed + i)
+            if p.seed is not None and i:   # wraps past the largest seed
+                seed = p.seed + i
+                p = dataclasses.replace(p, seed=seed - 2**64 if seed > SEED_MAX else seed)
             out.append((ids, p))
     return out
 
@@ -227,7 +251,8 @@ def parse_completion(body: dict, tok: Tokenizer) -> Job:
         prompts = [list(x) for x in p]
     if b.logprobs is not None and not 0 <= b.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {b.logprobs})", "logprobs")
-    params = _params(b, 16 if b.max_tokens is None else b.max_tokens, b.logprobs, {})
+    params = _params(b, 16 if b.max_tokens is None else b.max_tokens, b.logprobs, {},
+                     _guided(b))
     n = _n(b)
     stream, usage, cont = _stream_flags(b)
     return Job("completion", b.model, _choices(prompts, n, params), prompts, n, stream, usage,
@@ -235,7 +260,8 @@ def parse_completion(body: dict, tok: Tokenizer) -> Job:
 
 
 def chat_messages(raw: list) -> list[dict]:
-    """OpenAI chat messages -> the template's {role, content[, name]} dicts."""
+    """OpenAI chat messages -> the template's {role, content[, name][, tool_calls]} dicts
+    (tool messages and assistant tool calls: openai_tools.render_messages renders them)."""
     if not raw:
         raise invalid("messages is empty", "messages")
     out = []
@@ -244,18 +270,18 @@ def chat_messages(raw: list) -> list[dict]:
         if not isinstance(m, dict):
             raise invalid(f"{where} must be an object", where)
         for k in m:
-            if k in ("tool_calls", "function_call", "tool_call_id", "audio", "refusal") \
-                    and not _off(m[k]):
-                raise invalid(f"{where}.{k}: tool and function calling are not supported by "
-                              "Kiln", f"{where}.{k}", "unsupported_parameter")
+            if k in ("function_call", "audio", "refusal") and not _off(m[k]):
+                raise invalid(f"{where}.{k}: function_call (use tools), audio and refusal "
+                              "are not supported by Kiln", f"{where}.{k}",
+                              "unsupported_parameter")
             if k not in ("role", "content", "name", "tool_calls", "function_call",
                          "tool_call_id", "audio", "refusal"):
                 raise invalid(f"unknown parameter {where}.{k}", f"{where}.{k}",
                               "unknown_parameter")
         role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise invalid(f"{where}.role {role!r}: Kiln supports system, developer, user and "
-                          "assistant messages (no tool messages)", f"{where}.role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise invalid(f"{where}.role {role!r}: Kiln supports system, developer, user, "
+                          "assistant and tool messages", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -276,6 +302,16 @@ def chat_messages(raw: list) -> list[dict]:
         msg = {"role": "system" if role == "developer" else role, "content": content}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        calls = m.get("tool_calls")
+        if not _off(calls):
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise invalid(f"{where}.tool_calls: an assistant message's list of "
+                              "{id, type, function: {name, arguments}}", f"{where}.tool_calls")
+            msg["tool_calls"] = calls
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 
@@ -287,7 +323,13 @@ def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> Job:
         raise invalid("this model's plan has no chat template; use /v1/completions",
                       "messages", "no_chat_template")
     try:
-        ids = tok.apply_chat_template(messages, tokenize=True)
+        tools = parse_tools(b.tools, b.tool_choice)
+    except ToolError as e:
+        raise invalid(str(e), e.param)
+    guided = _guided(b, tools)
+    messages, extra = render_messages(messages, tools, tok.chat_template)
+    try:
+        ids = tok.apply_chat_template(messages, tokenize=True, **extra)
     except Exception as e:   # the template's raise_exception, or a rendering error
         raise invalid(f"the chat template refused the messages: {e}", "messages")
     if (b.max_tokens is not None and b.max_completion_tokens is not None
@@ -305,11 +347,11 @@ def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> Job:
     if not 0 <= top <= MAX_LOGPROBS:
         raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}] (got {top})",
                       "top_logprobs")
-    params = _params(b, max_tokens, top if b.logprobs else None, renames)
+    params = _params(b, max_tokens, top if b.logprobs else None, renames, guided)
     n = _n(b)
     stream, usage, cont = _stream_flags(b)
     return Job("chat", b.model, _choices([ids], n, params), [ids], n, stream, usage, cont,
-               bool(b.logprobs))
+               bool(b.logprobs), tools if tools is not None and tools.in_prompt else None)
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -397,9 +439,13 @@ def final_json(job: Job, states: list[ChoiceState], tok: Tokenizer, model: str,
                             "logprobs": completion_logprobs(tok, st.logprobs, 0)
                             if job.logprobs else None})
         else:
-            choices.append({"index": i, "message": {"role": "assistant", "content": st.text,
-                                                    "refusal": None},
-                            "finish_reason": st.finish_reason,
+            message = {"role": "assistant", "content": st.text, "refusal": None}
+            finish = st.finish_reason
+            calls = job.tools.calls(st.text) if job.tools and finish == "stop" else None
+            if calls:
+                message.update(content=None, tool_calls=calls)
+                finish = "tool_calls"
+            choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": chat_logprobs(tok, st.logprobs) if job.logprobs
                             else None})
     return {**envelope(job, model, fingerprint, False), "choices": choices,
@@ -412,9 +458,13 @@ def chunk_json(job: Job, index: int, st: ChoiceState, out: RequestOutput, tok: T
     offset = len(st.text)
     text, lps = st.add(out)
     finish = st.finish_reason if out.finished else None
-    if not text and not lps and finish is None and (job.kind == "completion" or st.started):
+    if job.kind == "chat" and job.tools is not None:
+        choice = _tool_choice_chunk(job, index, st, text, lps, finish, tok)
+        if choice is None:
+            return None
+    elif not text and not lps and finish is None and (job.kind == "completion" or st.started):
         return None
-    if job.kind == "completion":
+    elif job.kind == "completion":
         choice = {"index": index, "text": text, "finish_reason": finish,
                   "logprobs": completion_logprobs(tok, lps, offset) if job.logprobs else None}
     else:
@@ -430,3 +480,39 @@ def chunk_json(job: Job, index: int, st: ChoiceState, out: RequestOutput, tok: T
     if job.include_usage:
         chunk["usage"] = (usage_json([out.usage], 1) if job.continuous_usage else None)
     return chunk
+
+
+def _tool_choice_chunk(job: Job, index: int, st: ChoiceState, text: str, lps: list,
+                       finish: Optional[str], tok: Tokenizer) -> Optional[dict]:
+    """A chat chunk's choice when the request has tools. A named tool_choice streams its
+    arguments as they come (the call's id and name in the first delta); required and auto
+    send the role first and the tool calls (or the content) once the reply is complete."""
+    delta: dict = {}
+    if not st.started:
+        delta["role"] = "assistant"
+        st.started = True
+    if job.tools.choice == "named":
+        call: dict = {"index": 0, "function": {"arguments": text}}
+        if "role" in delta:
+            call.update(id=f"call_{uuid.uuid4().hex[:24]}", type="function")
+            call["function"] = {"name": job.tools.named, "arguments": text}
+            delta["content"] = None
+        if text or "role" in delta:
+            delta["tool_calls"] = [call]
+        if finish == "stop":
+            finish = "tool_calls"
+        logprobs = chat_logprobs(tok, lps) if job.logprobs and lps else None
+    else:
+        if finish is None:
+            return {"index": index, "delta": delta, "finish_reason": None,
+                    "logprobs": None} if delta else None
+        calls = job.tools.calls(st.text) if finish == "stop" else None
+        if calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+            finish = "tool_calls"
+        else:
+            delta["content"] = st.text
+        logprobs = chat_logprobs(tok, st.logprobs) if job.logprobs and st.logprobs else None
+    if not delta and finish is None:
+        return None
+    return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}

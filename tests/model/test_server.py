@@ -229,7 +229,8 @@ def test_cancelled_streams_free_their_blocks(kiln_server):
         return "cancelled" if call.cancelled() else "?"
 
     async def deadline(stub):
-        req = pb.GenerateRequest(prompt="slow", sampling=pb.SamplingParams(max_tokens=200))
+        req = pb.GenerateRequest(prompt="slow", sampling=pb.SamplingParams(  # no early eos
+            max_tokens=200, ignore_eos=True))
         try:
             async for _ in stub.Generate(req, timeout=0.05):
                 pass

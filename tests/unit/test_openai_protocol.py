@@ -29,8 +29,7 @@ def chat(body):
     return parse_chat({"model": "m", "messages": HI, **body}, TOK, 256)
 
 
-@pytest.mark.parametrize("body", [{"tools": [{"type": "function"}]}, {"tool_choice": "auto"},
-                                  {"functions": [{}]}, {"response_format": {"type": "json_object"}},
+@pytest.mark.parametrize("body", [{"functions": [{}]}, {"function_call": "auto"},
                                   {"logit_bias": {"1": 2}}, {"audio": {"voice": "x"}},
                                   {"modalities": ["audio"]}, {"reasoning_effort": "low"}])
 def test_unsupported_parameters_are_refused_by_name(body):
@@ -66,7 +65,7 @@ def test_messages():
     assert chat_messages([{"role": "developer", "content": [{"type": "text", "text": "a"},
                                                             {"type": "text", "text": "b"}]}]) \
         == [{"role": "system", "content": "a\nb"}]
-    for bad, param in (([{"role": "tool", "content": "x"}], "messages[0].role"),
+    for bad, param in (([{"role": "robot", "content": "x"}], "messages[0].role"),
                        ([{"role": "user", "content": [{"type": "image_url"}]}],
                         "messages[0].content[0]"),
                        ([{"role": "assistant", "tool_calls": [{"id": "1"}]}],

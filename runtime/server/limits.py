@@ -1,0 +1,77 @@
+"""Caps on what one request may ask of the server, checked at the API boundary before any
+work is done for it (`kiln serve` flags; defaults are far above what a plan can serve).
+
+    HTTP body / gRPC message  > max_request_bytes  -> 413 / RESOURCE_EXHAUSTED (not read)
+    prompt text, chat content > max_prompt_bytes   -> 400 / INVALID_ARGUMENT (not tokenized)
+    stop strings/ids, bad words, prompts, messages > their cap -> 400 / INVALID_ARGUMENT
+    requests in flight on one ModelStreamInfer stream = max_stream_requests -> the stream
+        is not read further until one ends (HTTP/2 flow control throttles the client)
+
+The gRPC services and the HTTP API check the same RequestLimits through the Frontend, so a
+request is refused the same way whichever API it came through.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sized
+
+from runtime.sampling import SamplingParams
+from runtime.server.errors import invalid
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_request_bytes: int = 16 * MiB     # one HTTP body or one gRPC message
+    max_prompt_bytes: Optional[int] = None  # prompt text (UTF-8); None: 64 x max_input_len,
+    #                                         at least 1 MiB (a token of text is < 64 bytes)
+    max_stop: int = 64                    # stop strings, and stop token ids, per request
+    max_bad_words: int = 64               # bad words + bad token ids per request
+    max_word_bytes: int = 1024            # each stop string / bad word
+    max_prompts: int = 64                 # prompts x n choices of one OpenAI request
+    max_messages: int = 1024              # chat messages per request
+    max_stream_requests: int = 64         # requests in flight on one ModelStreamInfer stream
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 (got {value})")
+
+    def prompt_bytes(self, max_input_len: int) -> int:
+        return self.max_prompt_bytes or max(MiB, 64 * max_input_len)
+
+    def check_count(self, name: str, items: Sized, cap: int) -> None:
+        if len(items) > cap:
+            raise invalid(f"{name} has {len(items)} entries; at most {cap} are allowed "
+                          "(a kiln serve limit)")
+
+    def check_prompt(self, prompt, max_input_len: int) -> None:
+        """Text, chat messages or token ids, before tokenization. Raises ServiceError."""
+        cap = self.prompt_bytes(max_input_len)
+        if isinstance(prompt, str):
+            size = len(prompt.encode("utf-8", "surrogatepass"))
+        elif len(prompt) and isinstance(prompt[0], dict):
+            self.check_count("messages", prompt, self.max_messages)
+            size = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass"))
+                       for m in prompt)
+        else:
+            if len(prompt) > max_input_len:
+                raise invalid(f"the prompt has {len(prompt)} tokens; max_input_len is "
+                              f"{max_input_len}")
+            return
+        if size > cap:
+            raise invalid(f"the prompt is {size} bytes; at most {cap} are allowed (it could "
+                          f"not fit max_input_len = {max_input_len} tokens)")
+
+    def check_params(self, p: SamplingParams) -> None:
+        """The per-request lists of SamplingParams. Raises ServiceError."""
+        self.check_count("stop", p.stop, self.max_stop)
+        self.check_count("stop_token_ids", p.stop_token_ids, self.max_stop)
+        self.check_count("bad_words", p.bad_words + tuple(map(str, p.bad_token_ids)),
+                         self.max_bad_words)
+        for name in ("stop", "bad_words"):
+            for w in getattr(p, name):
+                if len(w.encode("utf-8", "surrogatepass")) > self.max_word_bytes:
+                    raise invalid(f"a {name} entry is longer than {self.max_word_bytes} bytes "
+                                  "(a kiln serve limit)")

@@ -156,9 +156,16 @@ def serve(
     max_stream_requests: int = typer.Option(
         64, "--max-stream-requests", help="requests in flight per KServe ModelStreamInfer "
                                           "stream; more are not read until one ends"),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, help="compute threads of the engine (default: "
+        "OMP_NUM_THREADS, else this process's cores); every other thread computes "
+        "single-threaded"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
+    from runtime.compute import claim_process
+
+    threads = claim_process(threads)   # before torch is imported
     from runtime.server.app import ServeConfig, ServeError, run
     from runtime.server.limits import RequestLimits
 
@@ -173,7 +180,7 @@ def serve(
                       max_num_tokens=max_num_tokens, max_queue=max_queue,
                       drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
                       auth_token=auth_token, http_port=http_port, metrics_host=metrics_host,
-                      metrics_auth=metrics_auth)
+                      metrics_auth=metrics_auth, threads=threads)
     try:
         cfg = dataclasses.replace(cfg, limits=RequestLimits(
             max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,

@@ -27,6 +27,7 @@ import torch
 
 from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
                                        SchedulerOutput, Sequence, SequenceStatus, StepOutput)
+from runtime.compute import enter_engine_thread
 from runtime.executor import Executor, ModelInput
 from runtime.guided import GrammarCache, Masker
 from runtime.plan import Plan, load_plan
@@ -354,8 +355,11 @@ class Engine:
     """Serves one model: submit() from any thread, a background thread runs steps."""
 
     def __init__(self, executor: Executor, tokenizer: Tokenizer, config: EngineConfig,
-                 start: bool = True, vocab_size: Optional[int] = None):
-        """vocab_size: the model's (the logits' width; default the tokenizer's)."""
+                 start: bool = True, vocab_size: Optional[int] = None,
+                 num_threads: Optional[int] = None):
+        """vocab_size: the model's (the logits' width; default the tokenizer's). num_threads:
+        the engine thread's compute threads (runtime/compute.py; default: torch's)."""
+        self.num_threads = num_threads
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
                              f"{executor.layout.tokens_per_block}")
@@ -392,12 +396,14 @@ class Engine:
 
     @classmethod
     def from_plan(cls, plan: Union[str, Path, Plan], kv_budget_bytes: Optional[int] = None,
-                  start: bool = True, **overrides) -> "Engine":
+                  start: bool = True, num_threads: Optional[int] = None,
+                  **overrides) -> "Engine":
         """Load a built plan. `overrides`: EngineConfig fields; limits only lowered."""
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
         return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
-                   config, start=start, vocab_size=plan.model_config.get("vocab_size"))
+                   config, start=start, vocab_size=plan.model_config.get("vocab_size"),
+                   num_threads=num_threads)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -453,6 +459,7 @@ class Engine:
         the bookkeeping itself) ends the engine: every request fails, submit() refuses and
         the failure callbacks run (the server reports NOT_SERVING)."""
         try:
+            enter_engine_thread(self.num_threads)
             while self._run_once():
                 pass
         except BaseException as e:

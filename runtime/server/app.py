@@ -65,6 +65,7 @@ class ServeConfig:
     metrics_host: Optional[str] = None       # default: host
     metrics_auth: bool = False               # the bearer token on the metrics port too
     limits: RequestLimits = RequestLimits()  # per-request caps (runtime/server/limits.py)
+    threads: Optional[int] = None            # the engine thread's compute threads
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -245,7 +246,7 @@ async def serve(cfg: ServeConfig) -> int:
 
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
     plan = load_plan(cfg.plan)
-    return Engine.from_plan(plan, **cfg.overrides()), plan
+    return Engine.from_plan(plan, num_threads=cfg.threads, **cfg.overrides()), plan
 
 
 async def drain(fe: Frontend, server, health_svc, seconds: float,

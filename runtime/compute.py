@@ -1,0 +1,54 @@
+"""Which thread computes: the engine's, and no other.
+
+The compiled step and the plugin kernels run OpenMP parallel regions. libgomp gives every
+thread that starts a region its own pool of worker threads, and once a process has more pool
+threads than CPUs it stops spinning between regions and sleeps instead; a step has hundreds of
+short regions, so each pays a futex wake-up. Measured on 2 cores (SmolLM2 W8A8 plan, one
+sequence decoding): the step alone runs 165 steps/s, but 41 steps/s from a second thread once
+the process's main thread (or a loader thread) had run a 2-thread region too -- the whole
+gap between `Engine.step()` in a loop and tokens through `submit()` that the engine showed.
+
+So a serving process is laid out as: every thread but the engine's computes single-threaded
+(`claim_process`, before torch is imported, sets OMP_NUM_THREADS=1 for the process), and the
+engine thread raises its own OpenMP thread count to the cores it was given
+(`enter_engine_thread`). Python work on other threads (gRPC, detokenizing for the API,
+tokenizing) then never owns a pool that competes with the step's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Optional
+
+log = logging.getLogger("kiln.runtime")
+_ENV = "OMP_NUM_THREADS"
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def claim_process(threads: Optional[int] = None) -> int:
+    """Make every thread of this process compute single-threaded, except the engine's, which
+    gets `threads` (default: OMP_NUM_THREADS if set, else this process's cores). Call before
+    torch is imported; returns the engine's thread count."""
+    n = threads or int(os.environ.get(_ENV) or 0) or available_cores()
+    if n < 1:
+        raise ValueError(f"threads must be at least 1, got {n}")
+    if "torch" in sys.modules:
+        log.warning("torch was imported before the compute threads were laid out: threads "
+                    "other than the engine's may run multi-threaded regions and slow its step")
+    os.environ[_ENV] = "1"
+    return n
+
+
+def enter_engine_thread(threads: Optional[int]) -> None:
+    """On the engine thread, before its first step: its OpenMP/ATen thread count."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)

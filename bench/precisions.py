@@ -33,8 +33,9 @@ from runtime.plan import load_plan, load_step_fn              # noqa: E402
 PRECISIONS = ("fp32", "bf16", "fp8", "int8", "int4")
 
 
-def plan_dir(prec: str) -> Path:
-    return ROOT / "plans" / ("smollm2-135m-cpu" if prec == "fp32" else f"smollm2-135m-{prec}-cpu")
+def plan_dir(prec: str, isa: str | None = None) -> Path:
+    name = "smollm2-135m-cpu" if prec == "fp32" else f"smollm2-135m-{prec}-cpu"
+    return ROOT / "plans" / (f"{name}-{isa}" if isa else name)
 
 
 def spec_path(prec: str) -> Path:
@@ -72,8 +73,21 @@ class Runner:
         return (time.perf_counter() - t) / reps
 
 
-def plan_row(prec: str) -> dict:
-    m = json.loads((plan_dir(prec) / "plan.json").read_text())
+def isa_spec(prec: str, isa: str) -> Path:
+    """The precision's spec with target.isa pinned (written beside the plans)."""
+    import yaml
+
+    data = yaml.safe_load(spec_path(prec).read_text())
+    data["name"] += f"-{isa}"
+    data.setdefault("target", {})["isa"] = isa
+    out = ROOT / "plans" / ".specs" / f"{data['name']}.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def plan_row(prec: str, isa: str | None = None) -> dict:
+    m = json.loads((plan_dir(prec, isa) / "plan.json").read_text())
     acc = m.get("accuracy") or {}
     cfg, kv = m["model"]["config"], m["kv_cache"]["dtype"]
     per_tok = kv_format.bytes_per_token(kv, cfg["num_layers"], cfg["num_kv_heads"],
@@ -92,16 +106,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="tokens of context per sequence")
     ap.add_argument("--build", action="store_true", help="build missing plans first")
     ap.add_argument("--json", type=Path, help="write the results here too")
+    ap.add_argument("--isa", default=None, help="use (and with --build, build) the plans "
+                    "compiled for this target.isa level: plans/<name>-<isa>")
     args = ap.parse_args()
     if args.build:
         from builder.build import build
         for p in args.precisions:
-            build(spec_path(p), plan_dir(p))
-    rows = {p: plan_row(p) for p in args.precisions}
+            build(isa_spec(p, args.isa) if args.isa else spec_path(p), plan_dir(p, args.isa))
+    rows = {p: plan_row(p, args.isa) for p in args.precisions}
     ref = next((r["ref_ppl"] for r in rows.values() if r["ref_ppl"]), None)
     if "fp32" in rows and ref:
         rows["fp32"].update(ppl=ref, ppl_increase=0.0, top1=1.0)
-    runners = {p: Runner(plan_dir(p), args.context) for p in args.precisions}
+    runners = {p: Runner(plan_dir(p, args.isa), args.context) for p in args.precisions}
     for th in args.threads:
         torch.set_num_threads(th)
         times = {(p, n): [] for p in runners for n in (1, 32)}
@@ -113,7 +129,10 @@ def main() -> None:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
     base = rows.get("fp32")
-    print(f"context {args.context} tokens per sequence; medians of {args.rounds} rounds")
+    isas = {json.loads((plan_dir(p, args.isa) / "plan.json").read_text())["target"]["isa"]
+            for p in args.precisions}
+    print(f"context {args.context} tokens per sequence; medians of {args.rounds} rounds; "
+          f"CPU ISA level of the plans: {', '.join(sorted(isas))}")
     head = ["precision", "plan size", "x fp32", "KV", "KV tokens/GiB", "ppl", "increase",
             "top-1"]
     for th in args.threads:

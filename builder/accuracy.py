@@ -2,7 +2,8 @@
 
     ids = first accuracy.eval_tokens tokens of the evaluation text (runtime/accuracy.py)
     reference = eager fp32 model of the same checkpoint on the same windows   (cached)
-    plan      = the compiled engine through runtime's Executor               (packed steps)
+    plan      = the compiled engine
+    both scored by runtime.accuracy.evaluate (packed steps through the Executor)
     -> ppl, ref_ppl, ppl_increase, top1_agreement -> manifest["accuracy"]; over the limit:
        BuildError (no plan is written)
 
@@ -24,7 +25,6 @@ import torch
 
 from plugins.paged_kv import kv_format
 from runtime import accuracy as racc
-from runtime.executor import ModelInput
 
 REFERENCE_VERSION = 1      # bump when the reference computation changes
 CALIBRATION_TOKENS = 1024  # AWQ calibration tokens (taken after the evaluation tokens)
@@ -42,27 +42,11 @@ def encoder(tokenizer_json: str) -> Callable[[str], list[int]]:
     return lambda text: tok.encode(text, add_special_tokens=False).ids
 
 
-@torch.inference_mode()
-def evaluate_eager(model: torch.nn.Module, ids: list[int], window: int,
-                   tokens_per_block: int = 16) -> racc.EvalResult:
-    """Scores ids with the eager model: one forward per window, logits for every position."""
+def eager_layout(model: torch.nn.Module, window: int, tokens_per_block: int = 16):
+    """The KV pools of one evaluation window for the eager model (in its dtype)."""
     cfg = model.cfg
-    blocks = -(-window // tokens_per_block)
-    kc, vc = kv_format.new_pools(kv_format.name_of(next(model.parameters()).dtype),
-                                 cfg.num_layers, blocks + 1, tokens_per_block,
-                                 cfg.num_kv_heads, cfg.head_dim)
-    table = list(range(1, blocks + 1))
-    nll, count, top1 = 0.0, 0, []
-    for win in racc.windows(ids, window):
-        inp = ModelInput.build([win], [0], [table], tokens_per_block)
-        n = len(win) - 1
-        inp.logits_indices = torch.arange(n, dtype=torch.int64)   # every position but the last
-        logits = model(*inp.args(), kc, vc)                        # [n, vocab]
-        s, am = racc.score_logits(logits, torch.tensor(win[1:]))
-        nll += s
-        count += n
-        top1 += am
-    return racc.EvalResult(nll, count, top1)
+    return racc.eval_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, window,
+                            tokens_per_block, kv_format.name_of(next(model.parameters()).dtype))
 
 
 def reference_key(weights_digest: str, text_sha: str, n_tokens: int, window: int,
@@ -89,7 +73,7 @@ def reference(ckpt, ids: list[int], window: int, text_sha: str,
         from builder.sources import load_model
 
         model = load_model(ckpt, dtype=torch.float32).eval()
-    res = evaluate_eager(model, ids, window)
+    res = racc.evaluate(model, eager_layout(model, window), ids, window)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ref.")
@@ -129,14 +113,10 @@ class Gate:
         spec = self.spec
         if self.ref is None:
             self.compute_reference()
-        limits = {"max_num_tokens": spec.limits.max_num_tokens,
-                  "max_seq_len": spec.limits.max_seq_len,
-                  "max_batch_size": spec.limits.max_batch_size}
         cfg = self.ckpt.config
-        res = racc.evaluate_step(step_fn, {"num_layers": cfg.num_layers,
-                                           "num_kv_heads": cfg.num_kv_heads,
-                                           "head_dim": cfg.head_dim},
-                                 limits, spec.kv_cache.tokens_per_block, kv_dtype, self.ids)
+        layout = racc.eval_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.window,
+                                  spec.kv_cache.tokens_per_block, kv_dtype)
+        res = racc.evaluate(step_fn, layout, self.ids, self.window)
         acc = racc.summarize(res, self.ref.ppl, self.ref.top1, spec.max_ppl_increase)
         racc.write_top1(plan_dir / racc.REFERENCE_FILE, self.ref.top1)
         acc.update(text=self.text_name, text_sha256=self.text_sha, eval_tokens=len(self.ids),
@@ -164,5 +144,6 @@ def calibration_runner(spec, ckpt) -> Callable[[torch.nn.Module], None]:
                                "max_seq_len": spec.limits.max_seq_len})
 
     def run(model):
-        evaluate_eager(model, ids, window, spec.kv_cache.tokens_per_block)
+        racc.evaluate(model, eager_layout(model, window, spec.kv_cache.tokens_per_block),
+                      ids, window)
     return run

@@ -72,13 +72,15 @@ def _dim(name: str, lo: int, hi: int):
     return Dim(name, min=lo, max=hi) if hi > lo else None
 
 
-def sample_input(T: int, B: int, tokens_per_block: int) -> ModelInput:
-    """A small packed batch of B sequences sharing T tokens (chunk + decodes)."""
+def sample_input(T: int, B: int, tokens_per_block: int, num_logits: int) -> ModelInput:
+    """A small packed batch of B sequences sharing T tokens (chunk + decodes), asking for the
+    logits of its last num_logits tokens."""
     lens = [T - (B - 1)] + [1] * (B - 1)
     starts = [0] + [3] * (B - 1)
     tables = [[2 * i, 2 * i + 1] for i in range(B)]
     toks = [[(7 * i + j) % 50 for j in range(n)] for i, n in enumerate(lens)]
-    return ModelInput.build(toks, starts, tables, tokens_per_block)
+    return ModelInput.build(toks, starts, tables, tokens_per_block,
+                            logits_indices=range(T - num_logits, T))
 
 
 def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, max_blocks: int,
@@ -88,11 +90,9 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
     B = min(2, max_batch_size)
     T = min(max(B, 8), max_num_tokens) if max_num_tokens >= 2 else 1
     num_blocks = max(4, 2 * B)
-    inp = sample_input(T, B, tokens_per_block)
     # Logit rows have their own dim N (<= max_num_tokens): the engine asks for one row per
     # sequence, the accuracy gate for every position of a window in one step.
-    N = min(3, T)
-    inp.logits_indices = torch.arange(T - N, T, dtype=torch.int64)
+    inp = sample_input(T, B, tokens_per_block, num_logits=min(3, T))
     kc, vc = kv_format.new_pools(kv_dtype, cfg.num_layers, num_blocks, tokens_per_block,
                                  cfg.num_kv_heads, cfg.head_dim)
     t_dim = _dim("T", 1, max_num_tokens)

@@ -97,22 +97,26 @@ def score_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, li
     return nll, logp.argmax(dim=-1).tolist()
 
 
+def eval_layout(num_layers: int, num_kv_heads: int, head_dim: int, window: int,
+                tokens_per_block: int, kv_dtype: str) -> KVLayout:
+    """The KV pools that hold one evaluation window (block 0 unused)."""
+    blocks = -(-window // tokens_per_block)
+    return KVLayout(num_layers, blocks + 1, tokens_per_block, num_kv_heads, head_dim, kv_dtype)
+
+
 @torch.inference_mode()
-def evaluate_step(step_fn, model_config: dict, limits: dict, tokens_per_block: int,
-                  kv_dtype: str, ids: Sequence[int]) -> EvalResult:
-    """Scores `ids` through an engine step function (see the module docstring)."""
-    W = window_size(limits)
-    blocks = -(-W // tokens_per_block)
-    layout = KVLayout(model_config["num_layers"], blocks + 1, tokens_per_block,
-                      model_config["num_kv_heads"], model_config["head_dim"], kv_dtype)
+def evaluate(step_fn, layout: KVLayout, ids: Sequence[int], window: int) -> EvalResult:
+    """Scores `ids` through any engine step function -- the compiled plan's, or the eager
+    model (the reference, AWQ calibration) -- packed by ModelInput.build like serving:
+    each window one step of one fresh sequence, logits at every position but the last."""
     ex = Executor(step_fn, layout)
-    table = list(range(1, blocks + 1))           # block 0 unused
+    table = list(range(1, layout.num_blocks))    # block 0 unused
     nll, count, top1 = 0.0, 0, []
-    for win in windows(ids, W):
+    for win in windows(ids, window):
         n = len(win) - 1                         # predictions in this window
-        inp = ModelInput.build([win], [0], [table], tokens_per_block)
-        inp.logits_indices = torch.arange(n, dtype=torch.int64)  # every position but the last
-        logits = ex.execute(inp)                 # [n, vocab]: one step per window
+        inp = ModelInput.build([win], [0], [table], layout.tokens_per_block,
+                               logits_indices=range(n))
+        logits = ex.execute(inp)                 # [n, vocab]
         s, am = score_logits(logits, torch.tensor(win[1:]))
         nll += s
         count += n
@@ -175,8 +179,10 @@ def rerun_gate(plan: Plan, step_fn=None) -> dict:
     if sha256_ids(ids) != recorded["ids_sha256"]:
         raise ValueError("the evaluation tokens differ from the build's (tokenizer changed?)")
     step_fn = step_fn or load_step_fn(plan)
-    res = evaluate_step(step_fn, plan.model_config, m["limits"],
-                        m["kv_cache"]["tokens_per_block"], m["kv_cache"]["dtype"], ids)
+    cfg, window = plan.model_config, window_size(m["limits"])
+    layout = eval_layout(cfg["num_layers"], cfg["num_kv_heads"], cfg["head_dim"], window,
+                         m["kv_cache"]["tokens_per_block"], m["kv_cache"]["dtype"])
+    res = evaluate(step_fn, layout, ids, window)
     got = summarize(res, recorded["ref_ppl"], read_top1(plan.path / REFERENCE_FILE),
                     recorded["max_ppl_increase"])
     got["text"] = recorded["text"]

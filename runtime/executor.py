@@ -6,9 +6,11 @@ the block pool's job.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from plugins.paged_kv import kv_format
@@ -80,33 +82,43 @@ class ModelInput:
 
     @classmethod
     def build(cls, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
-              block_tables: Sequence[Sequence[int]], tokens_per_block: int) -> "ModelInput":
-        """From, per sequence: the tokens scheduled this step, the position of the first of
-        them (= tokens already in the KV), and the sequence's block ids."""
-        B = len(token_ids)
-        lens = [len(t) for t in token_ids]
-        flat = [t for seq in token_ids for t in seq]
-        positions, slots = [], []
-        for seq_blocks, start, n in zip(block_tables, starts, lens):
-            for p in range(start, start + n):
-                positions.append(p)
-                slots.append(seq_blocks[p // tokens_per_block] * tokens_per_block
-                             + p % tokens_per_block)
+              block_tables: Sequence[Sequence[int]], tokens_per_block: int,
+              logits_indices: Optional[Sequence[int]] = None) -> "ModelInput":
+        """The one packer (serving, the build's compiled-vs-eager check, the accuracy gate).
+
+        From, per sequence: the tokens scheduled this step, the position of the first of them
+        (= tokens already in the KV) and the sequence's block ids. logits_indices: the rows
+        whose logits are wanted (default: each sequence's last scheduled token). numpy: the
+        Python work is per sequence, not per token.
+
+            token_ids  [a0 a1 a2] [b0]           starts [0, 5]    tokens_per_block 4
+            input_ids  a0 a1 a2 b0               query_start_loc 0 3 4
+            positions   0  1  2  5               context_lens    3 6
+            slots      from each position's block: table[p // 4] * 4 + p % 4
+        """
+        B, bs = len(token_ids), tokens_per_block
+        counts = np.fromiter((len(t) for t in token_ids), np.int64, B)
+        first = np.asarray(starts, dtype=np.int64).reshape(B)
+        qsl = np.zeros(B + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        seq_idx = np.repeat(np.arange(B), counts)
+        positions = np.arange(qsl[-1], dtype=np.int64) - qsl[seq_idx] + first[seq_idx]
         width = max(1, max(len(b) for b in block_tables))
-        bt = torch.zeros((B, width), dtype=torch.int32)
+        bt = np.zeros((B, width), dtype=np.int32)
         for i, b in enumerate(block_tables):
-            bt[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
-        qsl = [0]
-        for n in lens:
-            qsl.append(qsl[-1] + n)
+            bt[i, :len(b)] = b
+        slots = bt[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        rows = (qsl[1:] - 1 if logits_indices is None
+                else np.asarray(logits_indices, dtype=np.int64).reshape(-1))
         return cls(
-            input_ids=torch.tensor(flat, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=bt,
-            context_lens=torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            logits_indices=torch.tensor(qsl[1:], dtype=torch.int64) - 1,
+            input_ids=torch.tensor(list(itertools.chain.from_iterable(token_ids)),
+                                   dtype=torch.int64),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slots),
+            block_tables=torch.from_numpy(bt),
+            context_lens=torch.from_numpy((first + counts).astype(np.int32)),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+            logits_indices=torch.from_numpy(rows),
         )
 
     def args(self) -> tuple:

@@ -3,35 +3,35 @@
     submit() --inbox--> [engine thread: step() = schedule -> execute -> update] --> streams
 
 `Engine.step()` is the whole serving loop: the scheduler (plugins.inflight_batching) picks
-sequences and token counts, the model runner packs them into one ModelInput, runs the
-compiled step and samples, and the update appends tokens, detokenizes, applies stop rules
-and delivers a RequestOutput to each request's stream. Callers on any thread (or an asyncio
-loop) submit requests and read their RequestStream; only the engine thread touches the
-scheduler, the block pool and the KV pools.
+sequences and token counts, the model runner (runtime/model_runner.py) packs them into one
+ModelInput, runs the compiled step and samples, and the update appends tokens, detokenizes,
+applies stop rules and delivers a RequestOutput (runtime/streams.py) to each request's
+stream. Callers on any thread (or an asyncio loop) submit requests and read their
+RequestStream; their submissions and cancellations reach the engine thread as typed inbox
+messages (AddRequest, AbortRequest). Only the engine thread touches the scheduler, the block
+pool and the KV pools.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence as Seq, Union
-
-import numpy as np
-import torch
+from typing import Callable, Optional, Sequence as Seq, Union
 
 from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
                                        SchedulerOutput, Sequence, SequenceStatus, StepOutput)
 from runtime.compute import enter_engine_thread
-from runtime.executor import Executor, ModelInput
-from runtime.guided import GrammarCache, Masker
+from runtime.executor import Executor
+from runtime.guided import GrammarCache
+from runtime.model_runner import ModelRunner
 from runtime.plan import Plan, load_plan
 from runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
+                             Usage)
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln.runtime")
@@ -84,141 +84,6 @@ class EngineConfig(SchedulerConfig):
         return cls(**values)
 
 
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int       # prompt tokens served from the prefix cache
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Timings:
-    """Seconds; None until known."""
-    queue_time: Optional[float] = None   # submit -> first scheduled
-    ttft: Optional[float] = None         # submit -> first output token
-    tpot: Optional[float] = None         # mean time per output token after the first
-    e2e: Optional[float] = None          # submit -> finished
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """One delivery on a RequestStream: the tokens and text new since the previous one."""
-    request_id: str
-    token_ids: list[int]                 # new token ids
-    text: str                            # new text (never splits a UTF-8 character)
-    finished: bool
-    finish_reason: Optional[str]         # stop | length | cancelled | error (when finished)
-    usage: Usage
-    timings: Timings
-    stop_reason: Any = None              # the stop token id or stop string, if any
-    error: Optional[str] = None          # what went wrong (finish_reason == "error")
-    logprobs: Optional[list[TokenLogprobs]] = None  # one per token_ids entry, when asked for
-
-
-@dataclass
-class RequestResult:
-    """A whole request, gathered from its stream."""
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: Optional[str]
-    usage: Usage
-    timings: Timings
-    stop_reason: Any = None
-    error: Optional[str] = None
-    logprobs: Optional[list[TokenLogprobs]] = None
-
-
-class RequestStream:
-    """The outputs of one request, iterable with `for` or `async for`; `cancel()` ends it."""
-
-    def __init__(self, engine: "Engine", request_id: str, prompt_token_ids: list[int]):
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self._engine = engine
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._aq: Optional[asyncio.Queue] = None
-        self._done = False
-        try:   # submitted from a coroutine: deliver straight to its loop
-            self._bind(asyncio.get_running_loop())
-        except RuntimeError:
-            pass
-
-    def cancel(self) -> None:
-        """Stop the request; its blocks are free before the next step. Idempotent."""
-        self._engine._abort(self.request_id)
-
-    @property
-    def finished(self) -> bool:
-        return self._done
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> RequestOutput:
-        if self._done:
-            raise StopIteration
-        if self._aq is not None:
-            raise RuntimeError("this stream is bound to an asyncio loop; use `async for`")
-        out = self._q.get()
-        self._done = out.finished
-        return out
-
-    def __aiter__(self):
-        self._bind(asyncio.get_running_loop())
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        out = await self._aq.get()
-        self._done = out.finished
-        return out
-
-    def result(self) -> RequestResult:
-        """Block until the request ends; everything it produced."""
-        return _gather(self, list(self))
-
-    async def aresult(self) -> RequestResult:
-        return _gather(self, [o async for o in self])
-
-    # engine side ---------------------------------------------------------------------------
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        with self._lock:
-            if self._loop is loop:
-                return
-            if self._loop is not None:
-                raise RuntimeError("a stream can be read from one asyncio loop only")
-            self._loop, self._aq = loop, asyncio.Queue()
-            while True:     # move what arrived before binding
-                try:
-                    self._aq.put_nowait(self._q.get_nowait())
-                except queue.Empty:
-                    break
-
-    def _put(self, out: RequestOutput) -> None:
-        with self._lock:
-            if self._loop is None:
-                self._q.put(out)
-                return
-            try:
-                self._loop.call_soon_threadsafe(self._aq.put_nowait, out)
-            except RuntimeError:   # the loop is closed: nobody is listening any more
-                pass
-
-
-def _gather(stream: RequestStream, outs: list[RequestOutput]) -> RequestResult:
-    last = outs[-1]
-    return RequestResult(stream.request_id, stream.prompt_token_ids,
-                         [t for o in outs for t in o.token_ids], "".join(o.text for o in outs),
-                         last.finish_reason, last.usage, last.timings, last.stop_reason,
-                         last.error, [lp for o in outs for lp in o.logprobs or ()]
-                         if any(o.logprobs for o in outs) else None)
-
-
 class _Request:
     """Engine-thread bookkeeping of one request."""
     __slots__ = ("seq", "stream", "detok", "arrival", "first_token", "last_token")
@@ -230,125 +95,19 @@ class _Request:
         self.last_token: Optional[float] = None
 
 
-@dataclass
-class SampledOutput(StepOutput):
-    """StepOutput plus the logprobs of the sampled tokens of requests that asked for them, and
-    the requests whose sampling failed (their token is None; the engine fails them alone)."""
-    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # request_id ->
-    errors: dict[str, str] = dataclasses.field(default_factory=dict)  # request_id -> what failed
+@dataclass(frozen=True)
+class AddRequest:
+    """Inbox message (submit -> engine thread): start serving this request."""
+    request: _Request
 
 
-class ModelRunner:
-    """SchedulerOutput -> ModelInput -> executor -> sampler -> StepOutput."""
+@dataclass(frozen=True)
+class AbortRequest:
+    """Inbox message (RequestStream.cancel -> engine thread): end this request."""
+    request_id: str
 
-    def __init__(self, executor: Executor, sampler: Sampler):
-        self.executor = executor
-        self.sampler = sampler
-        self.masker: Optional[Masker] = None     # made by the first constrained request
-        self.tokens_per_block = executor.layout.tokens_per_block
 
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
-        """Pack the scheduled tokens (numpy; Python work is per sequence, not per token)."""
-        seqs, n = out.seqs, out.num_scheduled_tokens
-        B, bs = len(seqs), self.tokens_per_block
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, B)
-        counts = np.asarray(n, dtype=np.int64)
-        ids: list[int] = []
-        for s, st, k in zip(seqs, starts.tolist(), n):
-            ids.extend(s.token_ids[st:st + k])
-        qsl = np.zeros(B + 1, dtype=np.int64)
-        np.cumsum(counts, out=qsl[1:])
-        seq_idx = np.repeat(np.arange(B), counts)
-        positions = np.arange(qsl[-1], dtype=np.int64) - qsl[seq_idx] + starts[seq_idx]
-        width = max(1, max(len(s.block_table) for s in seqs))
-        bt = np.zeros((B, width), dtype=np.int32)
-        for i, s in enumerate(seqs):
-            bt[i, :len(s.block_table)] = s.block_table
-        slots = bt[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
-        return ModelInput(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(slots),
-            block_tables=torch.from_numpy(bt),
-            context_lens=torch.from_numpy((starts + counts).astype(np.int32)),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
-            logits_indices=torch.from_numpy(qsl[1:] - 1),
-        )
-
-    def execute(self, out: SchedulerOutput) -> StepOutput:
-        if out.is_empty:
-            return SampledOutput([])
-        logits = self.executor.execute(self.prepare(out))            # [B, vocab]
-        rows = [i for i, s in enumerate(out.sample) if s]
-        sampled: list[Optional[int]] = [None] * len(out.seqs)
-        if rows:
-            seqs = [out.seqs[i] for i in rows]
-            rl = logits[rows] if len(rows) < len(out.seqs) else logits
-            errors: dict[str, str] = {}
-            guided = self._masks(seqs, rl.shape[1])
-            try:
-                toks = self.sampler(rl, [s.params for s in seqs], [s.token_ids for s in seqs],
-                                    [s.num_prompt_tokens for s in seqs], guided)
-            except Exception:   # pin it on its request(s): sample row by row
-                toks = self._sample_rows(rl, seqs, errors, guided)
-            if guided is not None:
-                self._advance(seqs, guided[0], toks, errors)
-            for i, t in zip(rows, toks):
-                sampled[i] = t
-            asked = [j for j, s in enumerate(seqs)
-                     if s.params.params.logprobs is not None and toks[j] is not None]
-            if asked:   # only requests that ask pay for a log_softmax
-                lps = self.sampler.logprobs(rl[asked], [toks[j] for j in asked],
-                                            [seqs[j].params.params.logprobs for j in asked])
-                return SampledOutput(sampled, {seqs[j].request_id: lp
-                                               for j, lp in zip(asked, lps)}, errors)
-            return SampledOutput(sampled, {}, errors)
-        return SampledOutput(sampled)
-
-    def _masks(self, seqs: list[Sequence], vocab: int
-               ) -> Optional[tuple[list[int], torch.Tensor]]:
-        """(rows, bitmask) of the constrained requests among seqs; None when there are none
-        (unconstrained requests pay nothing)."""
-        rows = [j for j, s in enumerate(seqs) if s.params.guide is not None]
-        if not rows:
-            return None
-        if self.masker is None or self.masker.vocab_size != vocab:
-            self.masker = Masker(vocab, len(seqs))
-        return rows, self.masker.fill([seqs[j].params.guide for j in rows])
-
-    @staticmethod
-    def _advance(seqs: list[Sequence], rows: list[int], toks: list[Optional[int]],
-                 errors: dict[str, str]) -> None:
-        """Feed each constrained request its sampled token (a stop token ends it instead)."""
-        for j in rows:
-            s, t = seqs[j], toks[j]
-            if t is None or t in s.stop_token_ids:
-                continue
-            guide = s.params.guide
-            guide.advance(t)
-            if guide.error is not None:
-                errors[s.request_id] = guide.error
-
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
-                     errors: dict[str, str],
-                     guided: Optional[tuple[list[int], torch.Tensor]] = None
-                     ) -> list[Optional[int]]:
-        """The batch sampler raised: sample each row alone (the same tokens: rows never
-        interact, a seeded row draws from its own generator) -> tokens, None where a row
-        raises; errors[request_id] says why."""
-        toks: list[Optional[int]] = []
-        for j, s in enumerate(seqs):
-            try:
-                g = None
-                if guided is not None and j in guided[0]:
-                    g = ([0], guided[1][guided[0].index(j)][None])
-                toks.append(self.sampler(logits[j:j + 1], [s.params], [s.token_ids],
-                                         [s.num_prompt_tokens], g)[0])
-            except Exception as e:
-                log.exception("sampling failed for request %s", s.request_id)
-                errors[s.request_id] = f"sampling failed: {type(e).__name__}: {e}"
-                toks.append(None)
-        return toks
+InboxMessage = Union[AddRequest, AbortRequest]
 
 
 class Engine:
@@ -369,8 +128,8 @@ class Engine:
         self.scheduler = Scheduler(config, executor.layout.num_blocks)
         self.model_runner = ModelRunner(executor, Sampler())
         self._requests: dict[str, _Request] = {}
-        self._inbox: list[tuple[str, Any]] = []   # ("add", _Request) | ("abort", request_id)
-        self._pending_adds = 0
+        self._inbox: list[InboxMessage] = []   # from callers, applied between steps
+        self._pending_adds = 0                 # AddRequests in the inbox
         self._cv = threading.Condition()
         self._ids = itertools.count()
         self._closed = False
@@ -438,18 +197,19 @@ class Engine:
     def run_pending(self) -> None:
         """Apply submissions and cancellations (engine thread, between steps)."""
         with self._cv:
-            events, self._inbox, self._pending_adds = self._inbox, [], 0
-        for kind, x in events:
-            if kind == "add":
-                self._requests[x.seq.request_id] = x
+            messages, self._inbox, self._pending_adds = self._inbox, [], 0
+        for msg in messages:
+            if isinstance(msg, AddRequest):
+                req = msg.request
+                self._requests[req.seq.request_id] = req
                 try:
-                    self.scheduler.add(x.seq)
+                    self.scheduler.add(req.seq)
                 except Exception as e:    # refused late (e.g. a duplicate id): this one fails
-                    self._finish(x, "error", f"{type(e).__name__}: {e}")
+                    self._finish(req, "error", f"{type(e).__name__}: {e}")
             else:
-                req = self._requests.get(x)
+                req = self._requests.get(msg.request_id)
                 if req is not None:
-                    self.scheduler.abort(x)
+                    self.scheduler.abort(msg.request_id)
                     self._finish(req, "cancelled")
 
     def _loop(self) -> None:
@@ -486,9 +246,9 @@ class Engine:
         with self._cv:
             self.failure = f"{type(exc).__name__}: {exc}"
             self._closed = True
-            events, self._inbox, self._pending_adds = self._inbox, [], 0
+            messages, self._inbox, self._pending_adds = self._inbox, [], 0
         # the scheduler may be inconsistent: end the streams without touching it
-        for req in list(self._requests.values()) + [x for k, x in events if k == "add"]:
+        for req in list(self._requests.values()) + _added(messages):
             self._finish(req, "error", f"the engine failed: {self.failure}")
         for fn in list(self._failure_callbacks):
             try:
@@ -544,14 +304,14 @@ class Engine:
             if len(self.scheduler.waiting) + self._pending_adds >= self.config.max_queue:
                 raise QueueFullError(f"the waiting queue is full ({self.config.max_queue} "
                                      "requests); retry later")
-            if rid in self._requests or any(k == "add" and r.seq.request_id == rid
-                                              for k, r in self._inbox):
+            if rid in self._requests or any(r.seq.request_id == rid
+                                              for r in _added(self._inbox)):
                 raise ValueError(f"request id {rid!r} is already in flight")
             seq = Sequence(rid, ids, params.max_tokens, params.min_tokens, stop_ids, state)
-            stream = RequestStream(self, rid, ids)
+            stream = RequestStream(self._abort, rid, ids)
             detok = tok.detokenizer(ids, params.stop, params.include_stop_str_in_output,
                                     params.skip_special_tokens)
-            self._inbox.append(("add", _Request(seq, stream, detok)))
+            self._inbox.append(AddRequest(_Request(seq, stream, detok)))
             self._pending_adds += 1
             self._cv.notify()
         return stream
@@ -581,7 +341,7 @@ class Engine:
 
     def _abort(self, request_id: str) -> None:
         with self._cv:
-            self._inbox.append(("abort", request_id))
+            self._inbox.append(AbortRequest(request_id))
             self._cv.notify()
 
     def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams],
@@ -677,9 +437,8 @@ class Engine:
             if self._thread.is_alive():   # a hung step: end the streams, leave the thread
                 log.error("the engine thread did not stop within %.0fs", timeout)
                 with self._cv:
-                    events, self._inbox, self._pending_adds = self._inbox, [], 0
-                for req in (list(self._requests.values())
-                            + [x for kind, x in events if kind == "add"]):
+                    messages, self._inbox, self._pending_adds = self._inbox, [], 0
+                for req in list(self._requests.values()) + _added(messages):
                     self._finish(req, "error", "the engine shut down")
                 return
         if self.failure is not None:      # _die already ended every request
@@ -694,3 +453,8 @@ class Engine:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _added(messages: list[InboxMessage]) -> list[_Request]:
+    """The requests of the AddRequests among inbox messages."""
+    return [m.request for m in messages if isinstance(m, AddRequest)]

@@ -452,10 +452,10 @@ def test_model_statistics_fill_queue_and_compute(server):
 # when a request with max_tokens == 13 arrives
 FAULTY_SERVE = """
 import sys
-from runtime.engine import Engine
+from runtime.engine import AddRequest, Engine
 real = Engine.run_pending
 def run_pending(self):
-    if any(k == "add" and r.seq.max_tokens == 13 for k, r in self._inbox):
+    if any(isinstance(m, AddRequest) and m.request.seq.max_tokens == 13 for m in self._inbox):
         raise RuntimeError("injected fault in the engine loop")
     return real(self)
 Engine.run_pending = run_pending

@@ -1,0 +1,124 @@
+"""The model runner: one scheduled batch in, one sampled token per sequence out.
+
+    SchedulerOutput --ModelInput.build--> ModelInput --Executor--> logits [B, vocab]
+                    --Sampler (+ output constraints, logprobs)--> SampledOutput
+
+It never decides policy: which sequences run and with how many tokens is the scheduler's,
+what a sampled token means for its request (stop rules, streaming) is the engine's update.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from plugins.inflight_batching import SchedulerOutput, Sequence, StepOutput
+from runtime.executor import Executor, ModelInput
+from runtime.guided import Masker
+from runtime.sampling import Sampler, TokenLogprobs
+
+log = logging.getLogger("kiln.runtime")
+
+
+@dataclass
+class SampledOutput(StepOutput):
+    """StepOutput plus the logprobs of the sampled tokens of requests that asked for them, and
+    the requests whose sampling failed (their token is None; the engine fails them alone)."""
+    logprobs: dict[str, TokenLogprobs] = dataclasses.field(default_factory=dict)  # request_id ->
+    errors: dict[str, str] = dataclasses.field(default_factory=dict)  # request_id -> what failed
+
+
+class ModelRunner:
+    """SchedulerOutput -> ModelInput -> executor -> sampler -> StepOutput."""
+
+    def __init__(self, executor: Executor, sampler: Sampler):
+        self.executor = executor
+        self.sampler = sampler
+        self.masker: Optional[Masker] = None     # made by the first constrained request
+        self.tokens_per_block = executor.layout.tokens_per_block
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Pack the scheduled tokens of each sequence (ModelInput.build: the one packer)."""
+        starts = [s.num_computed_tokens for s in out.seqs]
+        return ModelInput.build(
+            [s.token_ids[st:st + k] for s, st, k in zip(out.seqs, starts,
+                                                         out.num_scheduled_tokens)],
+            starts, [s.block_table for s in out.seqs], self.tokens_per_block)
+
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        if out.is_empty:
+            return SampledOutput([])
+        logits = self.executor.execute(self.prepare(out))            # [B, vocab]
+        rows = [i for i, s in enumerate(out.sample) if s]
+        sampled: list[Optional[int]] = [None] * len(out.seqs)
+        if rows:
+            seqs = [out.seqs[i] for i in rows]
+            rl = logits[rows] if len(rows) < len(out.seqs) else logits
+            errors: dict[str, str] = {}
+            guided = self._masks(seqs, rl.shape[1])
+            try:
+                toks = self.sampler(rl, [s.params for s in seqs], [s.token_ids for s in seqs],
+                                    [s.num_prompt_tokens for s in seqs], guided)
+            except Exception:   # pin it on its request(s): sample row by row
+                toks = self._sample_rows(rl, seqs, errors, guided)
+            if guided is not None:
+                self._advance(seqs, guided[0], toks, errors)
+            for i, t in zip(rows, toks):
+                sampled[i] = t
+            asked = [j for j, s in enumerate(seqs)
+                     if s.params.params.logprobs is not None and toks[j] is not None]
+            if asked:   # only requests that ask pay for a log_softmax
+                lps = self.sampler.logprobs(rl[asked], [toks[j] for j in asked],
+                                            [seqs[j].params.params.logprobs for j in asked])
+                return SampledOutput(sampled, {seqs[j].request_id: lp
+                                               for j, lp in zip(asked, lps)}, errors)
+            return SampledOutput(sampled, {}, errors)
+        return SampledOutput(sampled)
+
+    def _masks(self, seqs: list[Sequence], vocab: int
+               ) -> Optional[tuple[list[int], torch.Tensor]]:
+        """(rows, bitmask) of the constrained requests among seqs; None when there are none
+        (unconstrained requests pay nothing)."""
+        rows = [j for j, s in enumerate(seqs) if s.params.guide is not None]
+        if not rows:
+            return None
+        if self.masker is None or self.masker.vocab_size != vocab:
+            self.masker = Masker(vocab, len(seqs))
+        return rows, self.masker.fill([seqs[j].params.guide for j in rows])
+
+    @staticmethod
+    def _advance(seqs: list[Sequence], rows: list[int], toks: list[Optional[int]],
+                 errors: dict[str, str]) -> None:
+        """Feed each constrained request its sampled token (a stop token ends it instead)."""
+        for j in rows:
+            s, t = seqs[j], toks[j]
+            if t is None or t in s.stop_token_ids:
+                continue
+            guide = s.params.guide
+            guide.advance(t)
+            if guide.error is not None:
+                errors[s.request_id] = guide.error
+
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
+                     errors: dict[str, str],
+                     guided: Optional[tuple[list[int], torch.Tensor]] = None
+                     ) -> list[Optional[int]]:
+        """The batch sampler raised: sample each row alone (the same tokens: rows never
+        interact, a seeded row draws from its own generator) -> tokens, None where a row
+        raises; errors[request_id] says why."""
+        toks: list[Optional[int]] = []
+        for j, s in enumerate(seqs):
+            try:
+                g = None
+                if guided is not None and j in guided[0]:
+                    g = ([0], guided[1][guided[0].index(j)][None])
+                toks.append(self.sampler(logits[j:j + 1], [s.params], [s.token_ids],
+                                         [s.num_prompt_tokens], g)[0])
+            except Exception as e:
+                log.exception("sampling failed for request %s", s.request_id)
+                errors[s.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                toks.append(None)
+        return toks

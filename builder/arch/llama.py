@@ -45,6 +45,10 @@ class LlamaConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     family: str = "llama"                 # llama | mistral | qwen2 (same module)
+    sliding_window: Optional[int] = None  # Mistral: each token attends to the last this many
+                                          # tokens; None: the whole context. The paged
+                                          # attention op has no window: the builder refuses a
+                                          # max_seq_len above it (build.check_spec_against_model)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -70,9 +74,9 @@ class LlamaConfig:
         elif rtype not in (None, "default"):
             raise ValueError(f"rope_scaling type {rtype!r} is not supported; supported: "
                              "default, llama3")
-        if mtype == "mistral" and cfg.get("sliding_window") not in (None, 0):
-            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-                pass  # served without a window: the builder caps max_seq_len at the window
+        window = None   # Qwen2 declares a window it uses only with use_sliding_window
+        if mtype == "mistral" or cfg.get("use_sliding_window"):
+            window = cfg.get("sliding_window") or None
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
@@ -85,7 +89,8 @@ class LlamaConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", mtype == "qwen2"),
-            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, family=mtype)
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos_ids, family=mtype,
+            sliding_window=window)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -147,3 +147,36 @@ def test_target_isa_levels():
     assert "target.isa" in probs and "avx3" in msg and "avx512_vnni" in msg and "none" in msg
     probs, msg = problems(BASE + "target: {device: h100, isa: avx2}\n")
     assert "target.isa" in probs and "cpu targets" in msg
+
+
+MISTRAL = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+           "max_position_embeddings": 4096, "sliding_window": 512}
+
+
+@pytest.mark.parametrize("max_seq_len,refused", [(1024, True), (512, False), (256, False)])
+def test_mistral_sliding_window_caps_max_seq_len(max_seq_len, refused):
+    """The paged attention op has no window: a context past Mistral's sliding_window would
+    attend differently from the model, so the build refuses it and names the fix."""
+    from builder.arch.llama import LlamaConfig
+    from builder.build import check_spec_against_model
+
+    cfg = LlamaConfig.from_hf(MISTRAL)
+    assert cfg.sliding_window == 512
+    spec = parse_spec(BASE + f"limits: {{max_seq_len: {max_seq_len}}}\n")
+    if not refused:
+        check_spec_against_model(spec, cfg)
+        return
+    with pytest.raises(SpecError) as e:
+        check_spec_against_model(spec, cfg)
+    assert dict(e.value.problems).keys() == {"limits.max_seq_len"}
+    assert "sliding_window of 512" in str(e.value) and "max_seq_len <= 512" in str(e.value)
+
+
+def test_qwen2_window_counts_only_when_used():
+    from builder.arch.llama import LlamaConfig
+
+    qwen = {**MISTRAL, "model_type": "qwen2", "sliding_window": 4096}
+    assert LlamaConfig.from_hf(qwen).sliding_window is None
+    assert LlamaConfig.from_hf({**qwen, "use_sliding_window": True}).sliding_window == 4096
+    assert LlamaConfig.from_hf({**MISTRAL, "sliding_window": None}).sliding_window is None

@@ -150,7 +150,9 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     names / name components ("w2", "layers.0") left unquantized. calibration (int4): a
     callable run(model) that runs the unquantized model on calibration inputs, or a mapping
     linear name -> its inputs [rows, K]; enables the AWQ-style scale search. activations
-    "int8" (int8 weights): every quantized linear, the lm_head included, runs W8A8.
+    "int8": with int8 weights every quantized linear, the lm_head included, runs W8A8; with
+    int4 weights the linears run W4A8 (formats "int4_a8", group 32) and a tied lm_head W8A8
+    on the embedding's int8 table.
     """
     if weights not in formats.SCHEMES:
         raise ValueError(f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
@@ -171,7 +173,8 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
             out.weight = emb
         head = out
     all_q = dict(linears, **({"output": head} if head is not None else {}))
-    gs = _resolve_group_size(group_size, all_q) if weights == "int4" else None
+    gs = (_resolve_group_size(group_size, all_q)
+          if weights == "int4" and activations != "int8" else None)
 
     acts: dict[str, torch.Tensor] = {}
     method = "rtn"
@@ -198,6 +201,13 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     if calibration is not None and weights != "int4" and activations != "int8":
         report["calibration"] = ("not used: AWQ scale search applies to int4 only, "
                                  "SmoothQuant to int8 activations")
+    # W4A8: the int4 linears take the interleaved group-minimum format of the W4A8 kernel
+    # (round-to-nearest: a Q4_1 GGUF's weights come back exactly); the head stays int8 W8A8.
+    layer_scheme = "int4_a8" if weights == "int4" and activations == "int8" else weights
+    if layer_scheme == "int4_a8":
+        gs, acts = formats.INT4_A8_GROUP, {}
+        report.update(scheme="int4_a8", group_size=gs, method="rtn",
+                      activations="int8-per-group-32-dynamic")
     for name, lin in all_q.items():
         scale, alpha = None, None
         if name in acts and activations == "int8":
@@ -218,7 +228,7 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
                             activations=activations)
             report["lm_head"] = f"{qemb.scheme} (the tied embedding's table)"
         else:
-            q = QuantLinear.from_linear(lin, weights, gs, scale, activations)
+            q = QuantLinear.from_linear(lin, layer_scheme, gs, scale, activations)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, q)

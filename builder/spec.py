@@ -154,9 +154,10 @@ class PrecisionSection(_Strict):
     kv_cache: Optional[Literal["fp32", "bf16", "fp16", "int8", "fp8"]] = Field(
         default=None, description="KV pool dtype; default: fp32 for fp32 weights, else bf16")
     activations: Literal["fp32", "bf16", "fp16", "fp8", "int8"] = Field(
-        default="fp32", description="activation dtype of the matmuls; int8 (CPU, with int8 "
-        "weights): W8A8, each token's activations quantized to int8 at run time (per-token "
-        "scale) and multiplied with int8 dot products (AVX-512 VNNI / AVX2)")
+        default="fp32", description="activation dtype of the matmuls; int8 (CPU): with int8 "
+        "weights W8A8, each token's activations quantized to int8 at run time (per-token "
+        "scale) and multiplied with int8 dot products (AVX-512 VNNI / AVX2); with int4 "
+        "weights W4A8, activations quantized per group of 32 (llama.cpp's Q4_1 x Q8_1)")
     keep_high_precision: tuple[str, ...] = Field(
         default=("embed", "lm_head"),
         description="layers that keep the unquantized float dtype in a quantized plan: "
@@ -266,11 +267,22 @@ class Spec(_Strict):
             if cc is None or int(cc[3:]) < 89:
                 raise _PathError("precision.activations", f"fp8 activations need a GPU with "
                                  f"FP8 (sm_89 or newer); target is {self.target.device!r}")
-        if self.precision.activations == "int8" and (self.precision.weights != "int8"
+        if self.precision.activations == "int8" and (self.precision.weights not in ("int8", "int4")
                                                      or self.target.is_gpu):
-            raise _PathError("precision.activations", "int8 activations (W8A8) need int8 "
-                             f"weights on a cpu target (weights is {self.precision.weights!r}, "
-                             f"device {self.target.device!r})")
+            raise _PathError("precision.activations", "int8 activations (W8A8 / W4A8) need "
+                             f"int8 or int4 weights on a cpu target (weights is "
+                             f"{self.precision.weights!r}, device {self.target.device!r})")
+        if self.precision.activations == "int8" and self.precision.weights == "int4":
+            if self.precision.group_size not in (None, 32):
+                raise _PathError("precision.group_size", "int4 weights with int8 activations "
+                                 "(W4A8) use groups of 32 (each with its activations' own "
+                                 f"scale); got {self.precision.group_size}: remove group_size "
+                                 "or set 32")
+            if self.accuracy.calibration_text is not None:
+                raise _PathError("accuracy.calibration_text", "W4A8 (int4 weights, int8 "
+                                 "activations) quantizes round-to-nearest with group minimums "
+                                 "(a Q4_1 GGUF's weights exactly); calibration applies to int4 "
+                                 "weight-only (AWQ) and W8A8 (SmoothQuant): remove it")
         if self.target.is_gpu and self.target.isa != "auto":
             raise _PathError("target.isa", f"{self.target.isa!r}: the CPU ISA applies to cpu "
                              f"targets; target.device is {self.target.device!r} (leave isa auto)")

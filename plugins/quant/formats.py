@@ -29,6 +29,21 @@ fp8   E4M3 (float8_e4m3fn), per output channel scale
       error bound: |w - deq| <= max(|w| * 2**-4, scales[n] * 2**-10)
       (3 mantissa bits: half an ulp is 2**-4 relative; subnormal step is 2**-9 * scale)
 
+int4_a8  int4 for the W4A8 kernel (int8 activations): asymmetric, groups of 32 along K
+      with a float minimum (llama.cpp's Q4_1 arithmetic, so a Q4_1 GGUF's weights are
+      stored exactly), rows interleaved 16 at a time for integer dot products.
+      qweight uint8 [N/16, K/32, 256];  scales float16 [N/16, K/32, 16];  zeros float16
+      [N/16, K/32, 16] (the groups' minimums, not zero points)
+      w[n, k] = q[n, k] * scales[n/16, k/32, n%16] + zeros[n/16, k/32, n%16],  q in 0..15
+      scales = (max - min) / 15 of the group, zeros = min (both rounded to float16 first;
+      q is rounded against the stored values). error bound: |w - deq| <= scales / 2
+
+      Packed layout: block (rb, g) holds rows 16rb..16rb+15, k in 32g..32g+31, as four
+      64-byte chunks c; byte 64c + 4r + j holds q[row r, k = 8c + j] in its low nibble and
+      q[row r, k = 8c + 4 + j] in its high nibble (j = 0..3). One chunk's low (high) nibbles
+      are 16 rows x 4 consecutive k: the unsigned operand of one vpdpbusd against four
+      activation codes broadcast to every row.
+
 bf16  bfloat16 weights, no scale (a bf16 plan: weight-only, activations stay float32)
       qweight bfloat16 [N, K];  scales None
       w[n, k] = float(qweight[n, k])
@@ -46,18 +61,20 @@ import torch
 INT4_BLOCK = 32                   # weights per 16-byte packed block (see layout above)
 GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0                   # largest finite float8_e4m3fn
-SCHEMES = ("int8", "int4", "fp8", "bf16")
+SCHEMES = ("int8", "int4", "fp8", "bf16", "int4_a8")
+INT4_A8_ROWS = 16                 # weight rows per interleaved block (16 int32 lanes)
+INT4_A8_GROUP = 32                # weights per scale/min, and activations per scale
 _TINY = torch.finfo(torch.float32).tiny
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
     """One quantized [N, K] weight: the op's tensor arguments, in the op's order."""
-    scheme: str                   # int8 | int4 | fp8 | bf16
+    scheme: str                   # int8 | int4 | fp8 | bf16 | int4_a8
     qweight: torch.Tensor
     scales: torch.Tensor | None   # None for bf16
-    zeros: torch.Tensor | None    # int4 only
-    group_size: int | None        # int4 only
+    zeros: torch.Tensor | None    # int4: zero points; int4_a8: group minimums; else None
+    group_size: int | None        # int4 / int4_a8 only
     shape: tuple[int, int]        # (N, K) of the float weight
 
 
@@ -128,6 +145,67 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return ((g - zeros.float()[..., None]) * scales.float()[..., None]).reshape(n, k)
 
 
+# ---------------------------------------------------------------- int4_a8 (W4A8)
+
+def check_int4_a8_shape(n: int, k: int) -> None:
+    """Raises ValueError unless [N, K] fits the interleaved layout."""
+    if n % INT4_A8_ROWS or k % INT4_A8_GROUP:
+        raise ValueError(f"int4 weights with int8 activations need N % {INT4_A8_ROWS} == 0 "
+                         f"and K % {INT4_A8_GROUP} == 0, got [N, K] = [{n}, {k}]")
+
+
+def pack_int4_a8(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integer values 0..15 -> uint8 [N/16, K/32, 256] (layout above)."""
+    n, k = q.shape
+    check_int4_a8_shape(n, k)
+    g = k // INT4_A8_GROUP
+    # [rb, r, g, c, h, j] -> [rb, g, c, r, j, h]
+    t = q.to(torch.uint8).reshape(n // 16, 16, g, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    return (t[..., 0] | (t[..., 1] << 4)).reshape(n // 16, g, 256).contiguous()
+
+
+def unpack_int4_a8(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N/16, K/32, 256] -> uint8 [N, K] values 0..15."""
+    nb, g, _ = packed.shape
+    t = packed.reshape(nb, g, 4, 16, 4)                                # [rb, g, c, r, j]
+    t = torch.stack((t & 0x0F, t >> 4), dim=-1)                        # [rb, g, c, r, j, h]
+    return t.permute(0, 3, 1, 2, 5, 4).reshape(nb * 16, g * 32)
+
+
+def quantize_int4_a8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (qweight uint8 [N/16, K/32, 256], scales f16, mins f16 [N/16, K/32, 16])."""
+    n, k = w.shape
+    check_int4_a8_shape(n, k)
+    g = w.detach().float().reshape(n, k // INT4_A8_GROUP, INT4_A8_GROUP)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    f16 = torch.finfo(torch.float16)
+    if lo.min() < -f16.max or hi.max() > f16.max:
+        raise ValueError(f"int4 with int8 activations stores float16 scales: a weight of "
+                         f"magnitude {max(-lo.min().item(), hi.max().item()):.3g} exceeds "
+                         f"{f16.max}")
+    mins = lo.half()
+    scales = ((hi - mins.float()) / 15.0).half()
+    s = scales.float()[..., None]
+    q = torch.where(s > 0, torch.round((g - mins.float()[..., None]) / s.clamp_min(_TINY)),
+                    torch.zeros_like(g)).clamp_(0, 15)
+
+    def rows16(t):   # [N, G] -> [N/16, G, 16]
+        return t.reshape(n // 16, 16, -1).transpose(1, 2).contiguous()
+
+    return pack_int4_a8(q.reshape(n, k)), rows16(scales), rows16(mins)
+
+
+def dequantize_int4_a8(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+                       ) -> torch.Tensor:
+    q = unpack_int4_a8(qweight).float()
+    n, k = q.shape
+
+    def per_weight(t):   # [N/16, G, 16] -> [N, K]
+        return t.float().transpose(1, 2).reshape(n, -1).repeat_interleave(INT4_A8_GROUP, dim=1)
+
+    return q * per_weight(scales) + per_weight(mins)
+
+
 # ---------------------------------------------------------------- fp8 (E4M3)
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +235,12 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
     if scheme == "fp8":
         q, s = quantize_fp8(w)
         return QuantizedWeight("fp8", q, s, None, None, shape)
+    if scheme == "int4_a8":
+        if group_size not in (None, INT4_A8_GROUP):
+            raise ValueError(f"int4 with int8 activations has group_size {INT4_A8_GROUP}, "
+                             f"got {group_size}")
+        q, s, z = quantize_int4_a8(w)
+        return QuantizedWeight("int4_a8", q, s, z, INT4_A8_GROUP, shape)
     if scheme == "int4":
         gs = 128 if group_size is None else group_size
         q, s, z = quantize_int4(w, gs)
@@ -172,6 +256,8 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
         return qw.qweight.float()
     if qw.scheme == "fp8":
         return dequantize_fp8(qw.qweight, qw.scales)
+    if qw.scheme == "int4_a8":
+        return dequantize_int4_a8(qw.qweight, qw.scales, qw.zeros)
     return dequantize_int4(qw.qweight, qw.scales, qw.zeros, qw.group_size)
 
 
@@ -183,6 +269,9 @@ def error_bound(w: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     rounding = w.float().abs() * 2.0 ** -22
     if qw.scheme == "int8":
         return qw.scales[:, None] / 2 + rounding
+    if qw.scheme == "int4_a8":
+        half = qw.scales.float().transpose(1, 2).reshape(n, -1) / 2
+        return half.repeat_interleave(INT4_A8_GROUP, dim=1) + rounding
     if qw.scheme == "int4":
         return (qw.scales / 2).repeat_interleave(qw.group_size, dim=1) + rounding
     if qw.scheme == "bf16":   # half an ulp; bf16 subnormals step by 2**-133

@@ -14,7 +14,8 @@ from plugins.quant import ops  # noqa: F401  (the schemas must exist before the 
 
 NAME = "kiln_quant"
 SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp",
-           Path(__file__).parent / "csrc" / "linear_a8.cpp"]
+           Path(__file__).parent / "csrc" / "linear_a8.cpp",
+           Path(__file__).parent / "csrc" / "linear_int4_a8.cpp"]
 
 
 def build(level: IsaLevel | None = None, verbose: bool = False) -> Path:

@@ -21,9 +21,10 @@ class QuantLinear(nn.Module):
     def __init__(self, qw: formats.QuantizedWeight, bias: Optional[torch.Tensor] = None,
                  input_scale: Optional[torch.Tensor] = None, activations: str = "float"):
         super().__init__()
-        if activations not in ops.ACTIVATIONS or (activations == "int8" and qw.scheme != "int8"):
+        if activations not in ops.ACTIVATIONS or (
+                (activations == "int8") != (qw.scheme == "int4_a8") and qw.scheme != "int8"):
             raise ValueError(f"activations={activations!r} with {qw.scheme} weights; allowed: "
-                             "float, or int8 with int8 weights (W8A8)")
+                             "float, or int8 with int8 (W8A8) or int4_a8 (W4A8) weights")
         self.activations = activations
         self.scheme = qw.scheme
         self.group_size = qw.group_size

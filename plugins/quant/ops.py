@@ -5,9 +5,15 @@
     kiln::linear_fp8 (x, qweight float8_e4m3fn [N,K], scales [N], bias?)       -> [M, N]
     kiln::linear_bf16(x, weight bfloat16 [N,K], bias?)                          -> [M, N]
     kiln::linear_int8_a8(x, qweight int8 [N,K], scales [N], bias?)             -> [M, N]
+    kiln::linear_int4_a8(x, qweight uint8 [N/16,K/32,256], scales f16 [N/16,K/32,16],
+                         mins f16 [N/16,K/32,16], bias?)                         -> [M, N]
 
 linear_int8_a8 is W8A8: x is quantized per row at run time (symmetric int8, max|x|/127,
-round half to even) and multiplied in integers; the others dequantize the weights.
+round half to even) and multiplied in integers. linear_int4_a8 is W4A8: x is quantized per
+group of 32 along K (llama.cpp's Q8_1 arithmetic: each group its own max|x|/127), each
+group's integer dot product is scaled by its weight scale and activation scale, and the
+group minimums add min * (activation scale * sum of the group's codes). The others
+dequantize the weights.
 
 x is [M, K] float32 or bfloat16; the output has x's dtype. Layouts: plugins/quant/formats.py.
 The references below are registered for CompositeExplicitAutograd (any device); the compiled
@@ -31,6 +37,8 @@ SCHEMAS = {
     "linear_bf16": "linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "linear_int8_a8": ("linear_int8_a8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) "
                        "-> Tensor"),
+    "linear_int4_a8": ("linear_int4_a8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, "
+                       "Tensor? bias) -> Tensor"),
 }
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
@@ -76,11 +84,40 @@ def linear_int8_a8_reference(x, qweight, scales, bias=None):
     return y.to(x.dtype)
 
 
+def quantize_activation_groups(x: torch.Tensor, group: int = formats.INT4_A8_GROUP
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (codes float [M, K/group, group] in -127..127, scales [M, K/group]): each
+    group of `group` values along K quantized symmetric int8 on its own max|x| / 127."""
+    m, k = x.shape
+    xg = x.float().reshape(m, k // group, group)
+    sx = xg.abs().amax(dim=-1) / 127
+    sx = torch.where(sx > 0, sx, torch.ones_like(sx))
+    return torch.round(xg / sx[..., None]).clamp_(-127, 127), sx
+
+
+def linear_int4_a8_reference(x, qweight, scales, mins, bias=None):
+    xq, sx = quantize_activation_groups(x)                        # [M, G, 32], [M, G]
+    q = formats.unpack_int4_a8(qweight).double()                  # [N, K]
+    n = q.shape[0]
+    d = scales.float().transpose(1, 2).reshape(n, -1)             # [N, G]
+    mn = mins.float().transpose(1, 2).reshape(n, -1)
+    qg = q.reshape(n, -1, formats.INT4_A8_GROUP)
+    y = torch.zeros(x.shape[0], n)
+    for g in range(xq.shape[1]):                                  # exact integer sums per group
+        acc = (xq[:, g].double() @ qg[:, g].T).float()            # [M, N]
+        y += acc * (sx[:, g, None] * d[None, :, g])
+        y += (sx[:, g] * xq[:, g].sum(dim=-1))[:, None] * mn[None, :, g]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 _lib.impl("linear_int8", linear_int8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_bf16", linear_bf16_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int4", linear_int4_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_fp8", linear_fp8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int8_a8", linear_int8_a8_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_int4_a8", linear_int4_a8_reference, "CompositeExplicitAutograd")
 
 
 def _out_fake(x, n):
@@ -108,6 +145,13 @@ def _linear_int8_a8_fake(x, qweight, scales, bias):
     return _out_fake(x, qweight.shape[0])
 
 
+@torch.library.register_fake("kiln::linear_int4_a8")
+def _linear_int4_a8_fake(x, qweight, scales, mins, bias):
+    torch._check(qweight.shape[1] * formats.INT4_A8_GROUP == x.shape[1],
+                 lambda: "int4_a8 qweight/x K mismatch")
+    return _out_fake(x, qweight.shape[0] * formats.INT4_A8_ROWS)
+
+
 @torch.library.register_fake("kiln::linear_bf16")
 def _linear_bf16_fake(x, weight, bias):
     return _out_fake(x, weight.shape[0])
@@ -130,11 +174,16 @@ def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
     """Calls the op for qw's scheme (the fastest kernel registered for x's device; on CUDA
     the Triton kernels of int8/int4/fp8, which AOTInductor compiles into the plan; cuBLAS
     for bf16).
-    activations "int8" (int8 weights, CPU): W8A8, x quantized per row at run time."""
+    activations "int8" (CPU): W8A8 with int8 weights (x quantized per row at run time),
+    W4A8 with int4_a8 weights (x quantized per group of 32)."""
     if activations == "int8":
+        if qw.scheme == "int4_a8":
+            return torch.ops.kiln.linear_int4_a8(x, qw.qweight, qw.scales, qw.zeros, bias)
         if qw.scheme != "int8":
-            raise ValueError(f"int8 activations need int8 weights, not {qw.scheme}")
+            raise ValueError(f"int8 activations need int8 or int4_a8 weights, not {qw.scheme}")
         return torch.ops.kiln.linear_int8_a8(x, qw.qweight, qw.scales, bias)
+    if qw.scheme == "int4_a8":
+        raise ValueError("int4_a8 weights are multiplied with int8 activations only")
     if x.device.type == "cuda":
         if qw.scheme == "bf16":   # cuBLAS in x's dtype (float32 accumulation)
             return F.linear(x, qw.qweight.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -144,7 +144,7 @@ lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
 print(kernel_path(lib))
 g = torch.Generator().manual_seed(0)
-for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100)]:
+for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96)]:
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     qw = formats.quantize(w, "int8")
     out = ops.quant_linear(x, qw, b, activations="int8")
@@ -157,6 +157,12 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100)]:
             ref = ops.REFERENCES[scheme](x, *args, b)
             out = ops.quant_linear(x, q, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, m, n, k)
+    if k % 32 == 0 and n % 16 == 0:   # W4A8: tiles of 1-4 rows of x, every group
+        q = formats.quantize(w, "int4_a8")
+        for rows in (x, x[:1], torch.zeros_like(x)):
+            out = ops.quant_linear(rows, q, b, activations="int8")
+            ref = ops.linear_int4_a8_reference(rows, q.qweight, q.scales, q.zeros, b)
+            assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), ("w4a8", m, n, k)
 print("ok")
 """
 
@@ -171,4 +177,4 @@ def test_quant_kernels_match_references_at_every_level(level):
     path = r.stdout.splitlines()[0]
     want = {"none": "w8a8: scalar", "avx2": "w8a8: avx2", "avx512": "w8a8: avx2"}.get(
         level, "w8a8: avx512-vnni")
-    assert want in path, path
+    assert want in path and want.replace("w8a8", "w4a8") in path, path

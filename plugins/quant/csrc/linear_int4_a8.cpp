@@ -1,0 +1,278 @@
+// CPU kernel of kiln::linear_int4_a8 (W4A8; schema and reference: plugins/quant/ops.py,
+// layout: plugins/quant/formats.py "int4_a8").
+//
+//   y[m, n] = sum_g  d[n, g] * sx[m, g] * I[m, n, g]  +  mn[n, g] * cx[m, g]   (+ bias[n])
+//   I[m, n, g] = sum_{k in group g} xq[m, k] * q[n, k]     (exact int32: 32 * 127 * 15)
+//   xq = round_half_even(x / sx), sx[m, g] = max|x[m, group g]| / 127 (run time, per group
+//   of 32: llama.cpp's Q8_1), cx[m, g] = sx[m, g] * sum_{k in g} xq[m, k];
+//   q in 0..15, d (scale) and mn (group minimum) float16: llama.cpp's Q4_1.
+//
+// The weights are interleaved 16 rows at a time, so one register of int32 lanes holds the
+// 16 rows' sums and the per-group scales load as one vector (no horizontal reductions):
+//   AVX-512 VNNI: per group, 4 x 64-byte loads -> 8 vpdpbusd (u8 weights x s8 activations
+//     broadcast), then 2 FMAs per row of x. Up to 4 rows of x share each decoded chunk.
+//   AVX2 (also the avx512 level without VNNI): the same on 8-row halves with vpmaddubsw
+//     (int16 sums of 16 products stay below 2^15: 16 * 15 * 127 = 30,480) and one vpmaddwd
+//     per group into int32.
+//   otherwise: scalar loops (same integers, same float arithmetic per group).
+// Parallel over blocks of 16 weight rows; each block's packed weights (K/32 * 256 bytes)
+// stay in L1 while every tile of x rows passes over them.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KILN_W4A8_PATH "w4a8: avx512-vnni vpdpbusd"
+#define KILN_W4A8_VNNI 1
+#define KILN_W4A8_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KILN_W4A8_PATH "w4a8: avx2 vpmaddubsw"
+#define KILN_W4A8_VNNI 0
+#define KILN_W4A8_AVX2 1
+#else
+#define KILN_W4A8_PATH "w4a8: scalar"
+#define KILN_W4A8_VNNI 0
+#define KILN_W4A8_AVX2 0
+#endif
+
+extern "C" __attribute__((used, visibility("default")))
+const char kiln_quant_w4a8_kernel_path[] = "KILN_KERNEL_PATH:" KILN_W4A8_PATH;
+
+namespace {
+
+constexpr int64_t kRows = 16;     // weight rows per interleaved block
+constexpr int64_t kGroup = 32;    // weights (and activations) per scale
+constexpr int64_t kChunk = 256;   // packed bytes per (block, group)
+#if KILN_W4A8_VNNI
+constexpr int kMR = 4;            // rows of x per tile
+#else
+constexpr int kMR = 2;
+#endif
+
+// Per group of 32 along K: q = round_half_even(x / s), s = max|x| / 127 (1 for all zeros);
+// c = s * sum(q). Same arithmetic as quantize_activation_groups in ops.py.
+void quantize_groups(const float* x, int64_t K, int8_t* q, float* s, float* c) {
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xg[k]));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kGroup; ++k) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xg[k] / sc)));
+      q[g * kGroup + k] = static_cast<int8_t>(v);
+      sum += static_cast<int32_t>(v);
+    }
+    s[g] = sc;
+    c[g] = sc * float(sum);
+  }
+}
+
+struct Args {
+  const int8_t* xq;     // [M, K]
+  const float* sx;      // [M, G]
+  const float* cx;      // [M, G]
+  const uint8_t* qw;    // [N/16, G, 256]
+  const uint16_t* d;    // [N/16, G, 16] float16 bits
+  const uint16_t* mn;   // [N/16, G, 16] float16 bits
+  const float* bias;    // [N] or null
+  float* y;             // [M, N]
+  int64_t K, G, N;
+};
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if KILN_W4A8_VNNI
+template <int MR>
+void block_tile(const Args& a, int64_t rb, int64_t m0) {
+  __m512 fd[MR], fm[MR];
+  for (int r = 0; r < MR; ++r) fd[r] = fm[r] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* wb = a.qw + rb * a.G * kChunk;
+  const uint16_t* db = a.d + rb * a.G * kRows;
+  const uint16_t* mb = a.mn + rb * a.G * kRows;
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512i lo_acc[MR], hi_acc[MR];
+    for (int r = 0; r < MR; ++r) lo_acc[r] = hi_acc[r] = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wb + g * kChunk + 64 * c);
+      const __m512i lo = _mm512_and_si512(v, mask);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = a.xq + (m0 + r) * a.K + g * kGroup + 8 * c;
+        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, _mm512_set1_epi32(load4(xr)));
+        hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(load4(xr + 4)));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g * kRows)));
+    const __m512 mn = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mb + g * kRows)));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * a.G + g;
+      const __m512 acc = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[r], hi_acc[r]));
+      fd[r] = _mm512_fmadd_ps(acc, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[i])), fd[r]);
+      fm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.cx[i]), fm[r]);
+    }
+  }
+  const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + rb * kRows) : _mm512_setzero_ps();
+  for (int r = 0; r < MR; ++r)
+    _mm512_storeu_ps(a.y + (m0 + r) * a.N + rb * kRows,
+                     _mm512_add_ps(_mm512_add_ps(fd[r], fm[r]), b));
+}
+#elif KILN_W4A8_AVX2
+template <int MR>
+void block_tile(const Args& a, int64_t rb, int64_t m0) {
+  // Two halves of 8 rows (h): bytes 32h..32h+31 of each 64-byte chunk.
+  __m256 f[MR][2];
+  for (int r = 0; r < MR; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  const uint8_t* wb = a.qw + rb * a.G * kChunk;
+  const uint16_t* db = a.d + rb * a.G * kRows;
+  const uint16_t* mb = a.mn + rb * a.G * kRows;
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256i s16[MR][2];
+    for (int r = 0; r < MR; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 4; ++c) {
+      __m256i x0[MR], x1[MR];
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = a.xq + (m0 + r) * a.K + g * kGroup + 8 * c;
+        x0[r] = _mm256_set1_epi32(load4(xr));
+        x1[r] = _mm256_set1_epi32(load4(xr + 4));
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i v = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(wb + g * kChunk + 64 * c + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int r = 0; r < MR; ++r)
+          s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[r]),
+                                                                   _mm256_maddubs_epi16(hi, x1[r])));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(db + g * kRows + 8 * h)));
+      const __m256 mn = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(mb + g * kRows + 8 * h)));
+      for (int r = 0; r < MR; ++r) {
+        const int64_t i = (m0 + r) * a.G + g;
+        const __m256 acc = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][h], ones16));
+        f[r][h] = _mm256_fmadd_ps(acc, _mm256_mul_ps(d, _mm256_set1_ps(a.sx[i])), f[r][h]);
+        f[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.cx[i]), f[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t n0 = rb * kRows + 8 * h;
+      const __m256 b = a.bias ? _mm256_loadu_ps(a.bias + n0) : _mm256_setzero_ps();
+      _mm256_storeu_ps(a.y + (m0 + r) * a.N + n0, _mm256_add_ps(f[r][h], b));
+    }
+}
+#else
+template <int MR>
+void block_tile(const Args& a, int64_t rb, int64_t m0) {
+  for (int r = 0; r < MR; ++r) {
+    const int64_t m = m0 + r;
+    for (int64_t j = 0; j < kRows; ++j) {
+      float fd = 0.f, fm = 0.f;
+      for (int64_t g = 0; g < a.G; ++g) {
+        const uint8_t* w = a.qw + (rb * a.G + g) * kChunk;
+        const int8_t* xg = a.xq + m * a.K + g * kGroup;
+        int32_t acc = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = w[64 * c + 4 * j + i];
+            acc += int32_t(byte & 0x0F) * xg[8 * c + i] + int32_t(byte >> 4) * xg[8 * c + 4 + i];
+          }
+        const int64_t s = (rb * a.G + g) * kRows + j;
+        const float d = c10::detail::fp16_ieee_to_fp32_value(a.d[s]);
+        const float mn = c10::detail::fp16_ieee_to_fp32_value(a.mn[s]);
+        fd += float(acc) * (d * a.sx[m * a.G + g]);
+        fm += mn * a.cx[m * a.G + g];
+      }
+      const int64_t n = rb * kRows + j;
+      a.y[m * a.N + n] = fd + fm + (a.bias ? a.bias[n] : 0.f);
+    }
+  }
+}
+#endif
+
+at::Tensor linear_int4_a8(const at::Tensor& x_in, const at::Tensor& qweight,
+                          const at::Tensor& scales, const at::Tensor& mins,
+                          const c10::optional<at::Tensor>& bias_in) {
+  const char* op = "kiln::linear_int4_a8";
+  TORCH_CHECK(x_in.dim() == 2, op, ": x must be [M, K], got ", x_in.sizes());
+  TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.is_contiguous()
+                  && qweight.size(2) == kChunk,
+              op, ": qweight must be contiguous uint8 [N/16, K/32, 256], got ", qweight.sizes());
+  const int64_t M = x_in.size(0), K = x_in.size(1), G = qweight.size(1);
+  const int64_t N = qweight.size(0) * kRows;
+  TORCH_CHECK(G * kGroup == K, op, ": x has K=", K, " but the weight has K=", G * kGroup);
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == qweight.size(0) && t->size(1) == G && t->size(2) == kRows,
+                op, ": scales and mins must be contiguous float16 [N/16, K/32, 16] = [",
+                qweight.size(0), ", ", G, ", 16], got ", t->sizes());
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x_in.scalar_type());
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->numel() == N, op, ": bias has ", bias_in->numel(), " elements, expected ", N);
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    std::vector<int8_t> xq(M * K);
+    std::vector<float> sx(M * G), cx(M * G);
+    const float* xp = x.data_ptr<float>();
+    at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
+                     [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_groups(xp + m * K, K, xq.data() + m * K, sx.data() + m * G, cx.data() + m * G);
+    });
+    const Args a{xq.data(), sx.data(), cx.data(), qweight.data_ptr<uint8_t>(),
+                 reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                 reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()),
+                 bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), K, G, N};
+    // ~64 KiB of packed weights per task at one row of x; fewer at many rows.
+    const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(G, 1) /
+                                                   std::max<int64_t>(1, (M + kMR - 1) / kMR));
+    at::parallel_for(0, N / kRows, grain, [&](int64_t b0, int64_t b1) {
+      for (int64_t rb = b0; rb < b1; ++rb)
+        for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+          switch (std::min<int64_t>(kMR, M - m0)) {
+#if KILN_W4A8_VNNI
+            case 4: block_tile<4>(a, rb, m0); break;
+            case 3: block_tile<3>(a, rb, m0); break;
+#endif
+            case 2: block_tile<2>(a, rb, m0); break;
+            default: block_tile<1>(a, rb, m0); break;
+          }
+        }
+    });
+  }
+  return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("linear_int4_a8", &linear_int4_a8);
+}

@@ -1,4 +1,5 @@
-"""Shared test helpers: a tiny greedy generator over LlamaModel with paged KV caches.
+"""Shared test helpers: a tiny greedy generator over LlamaModel with paged KV caches, and the
+batches, shapes and reference checks the kernels are tested on (CPU, Triton, CUDA tiers).
 
 The generator drives the packed engine step the way the runtime does: all prompts are
 prefilled together in one step (packed along T), then every sequence decodes one token per
@@ -6,6 +7,7 @@ step. Blocks are handed out contiguously or shuffled (to catch block-table bugs)
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -74,3 +76,129 @@ def greedy_generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new
                     still.append(b)
             active = still
     return Generated(new, prefill_logits, logits_hist)
+
+
+# ---- paged attention: packed batches and the kernel-vs-reference check ---------------------
+# (the CPU kernel in tests/model/test_paged_attention.py, the Triton kernel in tests/interpret
+# and tests/gpu: the same batches and shapes)
+
+@dataclass
+class Batch:
+    q: torch.Tensor             # [T, H, D]
+    k: torch.Tensor             # [T, KVH, D]
+    v: torch.Tensor
+    k_cache: torch.Tensor       # [num_blocks, bs, KVH, D]
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor  # [T]
+    block_tables: torch.Tensor  # [B, max_blocks]
+    context_lens: torch.Tensor  # [B]
+    query_start_loc: torch.Tensor  # [B+1]
+    scale: float
+
+    def args(self, k_cache=None, v_cache=None):
+        return (self.q, self.k, self.v,
+                self.k_cache if k_cache is None else k_cache,
+                self.v_cache if v_cache is None else v_cache,
+                self.slot_mapping, self.block_tables, self.context_lens, self.query_start_loc,
+                self.scale)
+
+
+def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float32,
+               max_seq_len=2048, seed=0) -> Batch:
+    """seqs: [(tokens already in the pool, tokens this step)]; blocks shuffled over the pool."""
+    from plugins.paged_kv import kv_format
+
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = math.ceil(max_seq_len / bs)
+    need = [math.ceil((c + n) / bs) for c, n in seqs]
+    num_blocks = sum(need) + 5  # spare blocks that nobody owns must stay untouched
+    perm = torch.randperm(num_blocks, generator=g)
+    # Unused table entries hold real (foreign) block ids: the kernel must not read them.
+    bt = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=g)
+    slots, qsl, off = [], [0], 0
+    for b, ((ctx, n), nb) in enumerate(zip(seqs, need)):
+        bt[b, :nb] = perm[off:off + nb]
+        off += nb
+        for p in range(ctx, ctx + n):
+            slots.append(int(bt[b, p // bs]) * bs + p % bs)
+        qsl.append(qsl[-1] + n)
+    T = qsl[-1]
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return Batch(
+        q=rnd(T, H, D).to(dtype), k=rnd(T, KVH, D).to(dtype), v=rnd(T, KVH, D).to(dtype),
+        k_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
+        v_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
+        slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=bt,
+        context_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.long),
+        query_start_loc=torch.tensor(qsl, dtype=torch.long), scale=1.0 / math.sqrt(D))
+
+
+def check_paged_attention(op, batch: Batch, atol=1e-4, rtol=1e-4) -> torch.Tensor:
+    """op(*batch.args()) == the pure-torch reference; both pools equal the original except in
+    exactly the step's slots, where they hold the reference's bytes (quantized rows included)."""
+    from plugins.paged_kv import kv_format
+    from plugins.paged_kv.ops import paged_attention_reference
+
+    kc0, vc0 = batch.k_cache.clone(), batch.v_cache.clone()
+    ref_k, ref_v = kc0.clone(), vc0.clone()
+    ref = paged_attention_reference(*batch.args(ref_k, ref_v))
+    k_ptr = batch.k_cache.data_ptr()
+    out = op(*batch.args())
+    assert batch.k_cache.data_ptr() == k_ptr
+    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+    KVH, W = kc0.shape[2], kc0.shape[3]
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
+    for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
+        expect = raw(orig.clone())
+        expect.view(-1, KVH, W)[batch.slot_mapping] = raw(kv_format.encode(new, orig.dtype))
+        assert torch.equal(raw(pool), expect)
+    assert torch.equal(raw(batch.k_cache), raw(ref_k))
+    assert torch.equal(raw(batch.v_cache), raw(ref_v))
+    return out
+
+
+MIXED = [(0, 37), (100, 50), (500, 1), (2047, 1), (0, 1), (13, 3), (300, 64), (5, 0)]
+HEAD_SHAPES = [             # (H, KVH, D, tokens_per_block)
+    (4, 4, 64, 16),         # MHA
+    (9, 3, 64, 8),          # SmolLM2-135M heads
+    (8, 2, 128, 32),
+    (8, 1, 48, 64),         # odd head dim, single kv head
+    (12, 4, 128, 16),
+    (16, 2, 48, 8),
+    (6, 2, 36, 16),         # head dim not a multiple of the vector width / a power of two
+]
+SEQ_SHAPES = [              # [(tokens already in the pool, tokens this step)] per batch
+    [(2047, 1)],                               # one long decode: context split into parts
+    [(511, 1)] * 32,                           # decode batch
+    [(0, 512)],                                # one long prefill chunk, many query tiles
+    [(1000, 300), (7, 1)],                     # chunk with earlier context + decode
+    [(0, 1)],
+]
+SEQ_SHAPE_IDS = ["decode1-2048", "decode32-512", "prefill512", "chunk-after-context",
+                 "first-token"]
+
+
+# ---- quantized linear kernels: shapes and the kernel-vs-reference check --------------------
+SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # (n, k): wqkv, wo, w13, w2
+ODD_SHAPES = [(1, 128), (37, 256), (129, 384)]                        # (n, k), checked with bias
+ODD_BATCHES = [1, 3, 8, 33]
+K_NOT_MULTIPLE_OF_32 = [1, 7, 70, 577]
+
+
+def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
+    """linear(x, quantized w, bias) == dequantize-then-F.linear, within a relative tolerance."""
+    from plugins.quant import formats, ops
+
+    qw = formats.quantize(w, scheme, gs)
+    out = linear(x, qw, bias)
+    args = (qw.qweight, qw.scales, qw.zeros, qw.group_size) if qw.scheme == "int4" else \
+        (qw.qweight, qw.scales)
+    ref = ops.REFERENCES[scheme](x, *args, bias)
+    assert out.shape == ref.shape and out.dtype == x.dtype
+    scale = ref.float().abs().max().item() + 1e-6
+    tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 2e-5
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \
+                               f"max err {err:.3g} vs scale {scale:.3g}"

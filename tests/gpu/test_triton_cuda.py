@@ -36,7 +36,7 @@ def _cuda(batch):
 def test_paged_attention_triton_matches_reference(dtype, cache, tol, H, KVH, D, bs):
     from plugins.paged_kv import triton_attention  # noqa: F401
     from plugins.paged_kv.ops import paged_attention_reference
-    from tests.unit.test_paged_attention import MIXED, make_batch
+    from tests.helpers import MIXED, make_batch
 
     if cache == torch.float8_e4m3fn and _sm() < 89:
         pytest.skip("E4M3 needs sm_89")
@@ -77,7 +77,7 @@ def test_aoti_compiles_triton_ops_and_writes_pools_in_place(tmp_path):
 
     from plugins.paged_kv import ops as pa_ops
     from plugins.quant import formats, ops as q_ops
-    from tests.unit.test_paged_attention import make_batch
+    from tests.helpers import make_batch
 
     class Layer(torch.nn.Module):
         def __init__(self):

@@ -9,7 +9,8 @@ pytest.importorskip("triton")
 
 from plugins.paged_kv import kv_format, triton_attention  # noqa: E402
 from plugins.paged_kv.ops import paged_attention_reference  # noqa: E402
-from tests.unit.test_paged_attention import MIXED, Batch, make_batch  # noqa: E402
+from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES,  # noqa: E402
+                           Batch, check_paged_attention, make_batch)
 
 pytestmark = pytest.mark.interpret
 
@@ -25,46 +26,15 @@ def test_kernels_are_interpreted():
 def check(batch: Batch, atol=1e-4, rtol=1e-4):
     """Triton op == reference; both pools equal the original except in exactly the step's
     slots, where they hold the reference's bytes (quantized rows included)."""
-    kc0, vc0 = batch.k_cache.clone(), batch.v_cache.clone()
-    ref_k, ref_v = kc0.clone(), vc0.clone()
-    ref = paged_attention_reference(*batch.args(ref_k, ref_v))
-    k_ptr = batch.k_cache.data_ptr()
-    out = torch.ops.kiln.paged_attention_triton(*batch.args())
-    assert batch.k_cache.data_ptr() == k_ptr
-    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
-    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
-
-    KVH, W = kc0.shape[2], kc0.shape[3]
-    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
-    for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
-        expect = raw(orig.clone())
-        expect.view(-1, KVH, W)[batch.slot_mapping] = raw(kv_format.encode(new, orig.dtype))
-        assert torch.equal(raw(pool), expect)
-    assert torch.equal(raw(batch.k_cache), raw(ref_k))
-    assert torch.equal(raw(batch.v_cache), raw(ref_v))
-    return out
+    return check_paged_attention(torch.ops.kiln.paged_attention_triton, batch, atol, rtol)
 
 
-@pytest.mark.parametrize("H,KVH,D,bs", [
-    (4, 4, 64, 16),     # MHA
-    (9, 3, 64, 8),      # SmolLM2-135M heads
-    (8, 2, 128, 32),
-    (8, 1, 48, 64),     # odd head dim, single kv head
-    (12, 4, 128, 16),
-    (16, 2, 48, 8),
-    (6, 2, 36, 16),     # head dim not a power of two: masked lanes
-])
+@pytest.mark.parametrize("H,KVH,D,bs", HEAD_SHAPES)
 def test_mixed_prefill_and_decode(H, KVH, D, bs):
     check(make_batch(MIXED, H, KVH, D, bs, seed=H * 1000 + D + bs))
 
 
-@pytest.mark.parametrize("seqs", [
-    [(2047, 1)],                               # one long decode
-    [(511, 1)] * 32,                           # decode batch
-    [(0, 512)],                                # one long prefill chunk, many query tiles
-    [(1000, 300), (7, 1)],                     # chunk with earlier context + decode
-    [(0, 1)],
-], ids=["decode1-2048", "decode32-512", "prefill512", "chunk-after-context", "first-token"])
+@pytest.mark.parametrize("seqs", SEQ_SHAPES, ids=SEQ_SHAPE_IDS)
 def test_shapes(seqs):
     check(make_batch(seqs, 9, 3, 64, 16, seed=len(seqs)))
 

@@ -26,7 +26,7 @@ from torch.export import Dim
 from plugins.paged_kv import triton_attention
 from plugins.quant import formats, triton_linear
 from triton.runtime.jit import JITFunction
-from tests.unit.test_paged_attention import make_batch
+from tests.helpers import make_batch
 
 assert isinstance(triton_attention._attend_kernel, JITFunction)
 

@@ -6,8 +6,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from plugins.quant import formats, ops, triton_linear  # noqa: E402
-from tests.unit.test_quant_kernels import SMOLLM2_SHAPES  # noqa: E402
+from plugins.quant import formats, triton_linear  # noqa: E402
+from tests.helpers import (K_NOT_MULTIPLE_OF_32, ODD_BATCHES, ODD_SHAPES,  # noqa: E402
+                           SMOLLM2_SHAPES, check_quant_linear)
 
 pytestmark = pytest.mark.interpret
 
@@ -21,22 +22,8 @@ def test_kernels_are_interpreted():
     assert isinstance(triton_linear._linear_int4_kernel, InterpretedFunction)
 
 
-def _args(qw):
-    if qw.scheme == "int4":
-        return (qw.qweight, qw.scales, qw.zeros, qw.group_size)
-    return (qw.qweight, qw.scales)
-
-
 def _check(x, w, scheme, gs, bias=None):
-    qw = formats.quantize(w, scheme, gs)
-    out = triton_linear.quant_linear(x, qw, bias)
-    ref = ops.REFERENCES[scheme](x, *_args(qw), bias)
-    assert out.shape == ref.shape and out.dtype == x.dtype
-    scale = ref.float().abs().max().item() + 1e-6
-    tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 2e-5
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \
-                               f"max err {err:.3g} vs scale {scale:.3g}"
+    check_quant_linear(triton_linear.quant_linear, x, w, scheme, gs, bias)
 
 
 @pytest.mark.parametrize("scheme,gs", SCHEMES)
@@ -48,8 +35,8 @@ def test_matches_reference_smollm2_shapes(m, n, k, scheme, gs):
 
 
 @pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 128)])
-@pytest.mark.parametrize("m", [1, 3, 8, 33])
-@pytest.mark.parametrize("n,k", [(1, 128), (37, 256), (129, 384)])
+@pytest.mark.parametrize("m", ODD_BATCHES)
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
 def test_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
     g = torch.Generator().manual_seed(m + n + k)
     _check(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), scheme, gs,
@@ -58,7 +45,7 @@ def test_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 @pytest.mark.parametrize("m", [1, 17])
-@pytest.mark.parametrize("k", [1, 7, 70, 577])
+@pytest.mark.parametrize("k", K_NOT_MULTIPLE_OF_32)
 def test_k_not_multiple_of_32(m, k, scheme):
     g = torch.Generator().manual_seed(k)
     _check(torch.randn(m, k, generator=g), torch.randn(19, k, generator=g), scheme, None)

@@ -1,16 +1,16 @@
-"""The compiled CPU kernel of kiln::paged_attention against the pure-torch reference."""
+"""The compiled CPU kernel of kiln::paged_attention against the pure-torch reference (model
+tier: the kernel is compiled from C++)."""
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from plugins.paged_kv import kernels, kv_format
 from plugins.paged_kv.ops import paged_attention_reference
+from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES, Batch,
+                           check_paged_attention, make_batch)
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -18,100 +18,17 @@ def cpu_kernel():
     kernels.load()  # compiles once per source/flags/torch (cached), then registers for CPU
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor             # [T, H, D]
-    k: torch.Tensor             # [T, KVH, D]
-    v: torch.Tensor
-    k_cache: torch.Tensor       # [num_blocks, bs, KVH, D]
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor  # [T]
-    block_tables: torch.Tensor  # [B, max_blocks]
-    context_lens: torch.Tensor  # [B]
-    query_start_loc: torch.Tensor  # [B+1]
-    scale: float
-
-    def args(self, k_cache=None, v_cache=None):
-        return (self.q, self.k, self.v,
-                self.k_cache if k_cache is None else k_cache,
-                self.v_cache if v_cache is None else v_cache,
-                self.slot_mapping, self.block_tables, self.context_lens, self.query_start_loc,
-                self.scale)
-
-
-def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float32,
-               max_seq_len=2048, seed=0) -> Batch:
-    """seqs: [(tokens already in the pool, tokens this step)]; blocks shuffled over the pool."""
-    g = torch.Generator().manual_seed(seed)
-    max_blocks = math.ceil(max_seq_len / bs)
-    need = [math.ceil((c + n) / bs) for c, n in seqs]
-    num_blocks = sum(need) + 5  # spare blocks that nobody owns must stay untouched
-    perm = torch.randperm(num_blocks, generator=g)
-    # Unused table entries hold real (foreign) block ids: the kernel must not read them.
-    bt = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=g)
-    slots, qsl, off = [], [0], 0
-    for b, ((ctx, n), nb) in enumerate(zip(seqs, need)):
-        bt[b, :nb] = perm[off:off + nb]
-        off += nb
-        for p in range(ctx, ctx + n):
-            slots.append(int(bt[b, p // bs]) * bs + p % bs)
-        qsl.append(qsl[-1] + n)
-    T = qsl[-1]
-    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-    return Batch(
-        q=rnd(T, H, D).to(dtype), k=rnd(T, KVH, D).to(dtype), v=rnd(T, KVH, D).to(dtype),
-        k_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
-        v_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
-        slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=bt,
-        context_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.long),
-        query_start_loc=torch.tensor(qsl, dtype=torch.long), scale=1.0 / math.sqrt(D))
-
-
 def check(batch: Batch, atol=1e-4, rtol=1e-4):
     """Kernel == reference; both pools equal the original except in exactly the step's slots."""
-    kc0, vc0 = batch.k_cache.clone(), batch.v_cache.clone()
-    ref_k, ref_v = kc0.clone(), vc0.clone()
-    ref = paged_attention_reference(*batch.args(ref_k, ref_v))
-    k_ptr = batch.k_cache.data_ptr()
-    out = torch.ops.kiln.paged_attention(*batch.args())
-    assert batch.k_cache.data_ptr() == k_ptr
-    assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
-    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
-
-    KVH, W = kc0.shape[2], kc0.shape[3]
-    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
-    for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
-        expect = raw(orig.clone())
-        expect.view(-1, KVH, W)[batch.slot_mapping] = raw(kv_format.encode(new, orig.dtype))
-        assert torch.equal(raw(pool), expect)
-    assert torch.equal(raw(batch.k_cache), raw(ref_k))
-    assert torch.equal(raw(batch.v_cache), raw(ref_v))
-    return out
+    return check_paged_attention(torch.ops.kiln.paged_attention, batch, atol, rtol)
 
 
-MIXED = [(0, 37), (100, 50), (500, 1), (2047, 1), (0, 1), (13, 3), (300, 64), (5, 0)]
-
-
-@pytest.mark.parametrize("H,KVH,D,bs", [
-    (4, 4, 64, 16),     # MHA
-    (9, 3, 64, 8),      # SmolLM2-135M heads
-    (8, 2, 128, 32),
-    (8, 1, 48, 64),     # odd head dim, single kv head
-    (12, 4, 128, 16),
-    (16, 2, 48, 8),
-    (6, 2, 36, 16),     # head dim not a multiple of the vector width: scalar tails
-])
+@pytest.mark.parametrize("H,KVH,D,bs", HEAD_SHAPES)
 def test_mixed_prefill_and_decode(H, KVH, D, bs):
     check(make_batch(MIXED, H, KVH, D, bs, seed=H * 1000 + D + bs))
 
 
-@pytest.mark.parametrize("seqs", [
-    [(2047, 1)],                               # one long decode: context split into parts
-    [(511, 1)] * 32,                           # decode batch
-    [(0, 512)],                                # one long prefill chunk, many query tiles
-    [(1000, 300), (7, 1)],                     # chunk with earlier context + decode
-    [(0, 1)],
-], ids=["decode1-2048", "decode32-512", "prefill512", "chunk-after-context", "first-token"])
+@pytest.mark.parametrize("seqs", SEQ_SHAPES, ids=SEQ_SHAPE_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_shapes_and_splits(seqs, threads):
     prev = torch.get_num_threads()

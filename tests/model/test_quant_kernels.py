@@ -1,15 +1,16 @@
 """The compiled CPU kernels of kiln::linear_{int8,int4,fp8,bf16} against their references, and
-QuantLinear through torch.export / AOTInductor."""
+QuantLinear through torch.export / AOTInductor (model tier: the kernels are compiled from C++)."""
 import pytest
 import torch
 from torch import nn
 
 from plugins.quant import formats, kernels, ops
 from plugins.quant.modules import QuantLinear
+from tests.helpers import (K_NOT_MULTIPLE_OF_32, ODD_BATCHES, ODD_SHAPES, SMOLLM2_SHAPES,
+                           check_quant_linear)
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.model
 
-SMOLLM2_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]   # wqkv, wo, w13, w2
 BATCHES = [1, 3, 17, 32, 33]
 
 
@@ -18,22 +19,8 @@ def cpu_kernels():
     kernels.load()
 
 
-def _args(qw):
-    if qw.scheme == "int4":
-        return (qw.qweight, qw.scales, qw.zeros, qw.group_size)
-    return (qw.qweight, qw.scales)
-
-
 def _check(x, w, scheme, gs, bias=None):
-    qw = formats.quantize(w, scheme, gs)
-    out = ops.quant_linear(x, qw, bias)                   # the CPU kernel (registered for CPU)
-    ref = ops.REFERENCES[scheme](x, *_args(qw), bias)     # dequantize, then F.linear
-    assert out.shape == ref.shape and out.dtype == x.dtype
-    scale = ref.float().abs().max().item() + 1e-6
-    tol = 1e-2 if x.dtype == torch.bfloat16 else 2e-5
-    err = (out.float() - ref.float()).abs().max().item()
-    assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \
-                               f"max err {err:.3g} vs scale {scale:.3g}"
+    check_quant_linear(ops.quant_linear, x, w, scheme, gs, bias)   # the CPU kernel
 
 
 def test_kernels_are_registered_for_cpu():
@@ -52,8 +39,8 @@ def test_kernel_matches_reference_smollm2_shapes(m, n, k, scheme, gs):
 
 @pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 128),
                                        ("bf16", None)])
-@pytest.mark.parametrize("m", [1, 3, 8, 33])
-@pytest.mark.parametrize("n,k", [(1, 128), (37, 256), (129, 384)])
+@pytest.mark.parametrize("m", ODD_BATCHES)
+@pytest.mark.parametrize("n,k", ODD_SHAPES)
 def test_kernel_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
     g = torch.Generator().manual_seed(m + n + k)
     _check(torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), scheme, gs,
@@ -62,7 +49,7 @@ def test_kernel_matches_reference_odd_shapes_with_bias(m, n, k, scheme, gs):
 
 @pytest.mark.parametrize("scheme", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("m", [1, 5, 17])
-@pytest.mark.parametrize("k", [1, 7, 70, 577])
+@pytest.mark.parametrize("k", K_NOT_MULTIPLE_OF_32)
 def test_int8_fp8_kernel_k_not_multiple_of_32(m, k, scheme):
     g = torch.Generator().manual_seed(k)
     _check(torch.randn(m, k, generator=g), torch.randn(19, k, generator=g), scheme, None)
@@ -152,7 +139,6 @@ def test_quant_linear_matches_float_linear():
     torch.testing.assert_close(qs(x), lin(x), rtol=0.02, atol=0.02)
 
 
-@pytest.mark.model
 def test_quant_linear_compiles_with_aoti(tmp_path):
     m = _Tiny("int4", 32).eval()
     x = torch.randn(5, 64)

@@ -1,7 +1,10 @@
 """Run `kiln serve` as a subprocess on free loopback ports, for the server tests."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +22,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def copy_with_chat_template(plan: Path, dest: Path, template: str) -> Path:
+    """A copy of `plan` at dest whose generation.json has `template` as its chat template
+    (the manifest's size and sha256 of generation.json updated, so the copy still loads)."""
+    shutil.copytree(plan, dest)
+    gen = json.loads((dest / "generation.json").read_text())
+    gen["chat_template"] = template
+    data = json.dumps(gen, indent=2).encode()
+    (dest / "generation.json").write_bytes(data)
+    manifest = json.loads((dest / "plan.json").read_text())
+    manifest["files"]["generation.json"] = {"sha256": hashlib.sha256(data).hexdigest(),
+                                            "size": len(data)}
+    (dest / "plan.json").write_text(json.dumps(manifest, indent=2))
+    return dest
 
 
 class ServerProcess:
@@ -103,3 +121,12 @@ class ServerProcess:
                 self.proc.wait()
             if self._log is not subprocess.DEVNULL:
                 self._log.close()
+
+
+class HttpServerProcess(ServerProcess):
+    """A `kiln serve PLAN` subprocess with its HTTP (OpenAI) API on `base` as well."""
+
+    def __init__(self, plan: Path, *args: str, **kw):
+        self.http_port = free_port()
+        super().__init__(plan, "--http-port", str(self.http_port), *args, **kw)
+        self.base = f"http://127.0.0.1:{self.http_port}"

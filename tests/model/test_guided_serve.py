@@ -5,11 +5,9 @@ requests batched with constrained ones must get exactly their solo greedy output
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import random
 import re
-import shutil
 
 import grpc
 import jsonschema
@@ -22,7 +20,7 @@ import yaml
 from runtime.server.proto import kiln_pb2 as pb
 from runtime.server.proto import kiln_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, TEST_PLANS
-from tests.server_helpers import ServerProcess, free_port
+from tests.server_helpers import HttpServerProcess, copy_with_chat_template
 
 pytestmark = pytest.mark.model
 
@@ -50,26 +48,13 @@ def guided_plan(tmp_path_factory):
     (tmp / "tiny-guided.yaml").write_text(yaml.safe_dump(spec))
     built = build(tmp / "tiny-guided.yaml", TEST_PLANS / MODEL,
                   progress=Progress(enabled=False)).path
-    d = tmp / "plan"
-    shutil.copytree(built, d)
-    gen = json.loads((d / "generation.json").read_text())
-    gen["chat_template"] = CHATML
-    data = json.dumps(gen, indent=2).encode()
-    (d / "generation.json").write_bytes(data)
-    manifest = json.loads((d / "plan.json").read_text())
-    manifest["files"]["generation.json"] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                            "size": len(data)}
-    (d / "plan.json").write_text(json.dumps(manifest, indent=2))
-    return d
+    return copy_with_chat_template(built, tmp / "plan", CHATML)
 
 
 @pytest.fixture(scope="module")
 def server(guided_plan, tmp_path_factory):
-    http = free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    s = ServerProcess(guided_plan, "--http-port", str(http), "--drain-seconds", "5",
-                      log_path=log)
-    s.base = f"http://127.0.0.1:{http}"
+    s = HttpServerProcess(guided_plan, "--drain-seconds", "5", log_path=log)
     try:
         yield s.wait_serving()
     finally:

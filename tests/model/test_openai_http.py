@@ -4,10 +4,8 @@ against the native kiln.v1 gRPC API of the same process."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import select
-import shutil
 import signal
 import socket
 import time
@@ -18,7 +16,7 @@ import openai
 import pytest
 
 from runtime.server.client import stream_generate
-from tests.server_helpers import ServerProcess, free_port
+from tests.server_helpers import HttpServerProcess, copy_with_chat_template
 
 pytestmark = pytest.mark.model
 
@@ -31,25 +29,11 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_
 @pytest.fixture(scope="module")
 def chat_plan(tiny_plan, tmp_path_factory):
     """A copy of the tiny plan whose generation.json has a chat template (manifest updated)."""
-    d = tmp_path_factory.mktemp("plan") / "tiny-chat"
-    shutil.copytree(tiny_plan, d)
-    gen = json.loads((d / "generation.json").read_text())
-    gen["chat_template"] = TEMPLATE
-    data = json.dumps(gen, indent=2).encode()
-    (d / "generation.json").write_bytes(data)
-    manifest = json.loads((d / "plan.json").read_text())
-    manifest["files"]["generation.json"] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                            "size": len(data)}
-    (d / "plan.json").write_text(json.dumps(manifest, indent=2))
-    return d
+    return copy_with_chat_template(tiny_plan, tmp_path_factory.mktemp("plan") / "tiny-chat",
+                                   TEMPLATE)
 
 
-class HttpServer(ServerProcess):
-    def __init__(self, plan, *args, log_path=None):
-        self.http_port = free_port()
-        super().__init__(plan, "--http-port", str(self.http_port), *args, log_path=log_path)
-        self.base = f"http://127.0.0.1:{self.http_port}"
-
+class HttpServer(HttpServerProcess):
     def client(self, key=TOKEN, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0, **kw)
 

@@ -6,9 +6,7 @@ codes of SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +29,7 @@ from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 from runtime.server.proto import kiln_pb2 as pb
 from runtime.server.proto import kiln_pb2_grpc as pb_grpc
 from runtime.server.tensors import encode_bytes
-from tests.server_helpers import ROOT, ServerProcess, free_port
+from tests.server_helpers import ROOT, HttpServerProcess, ServerProcess, copy_with_chat_template
 
 pytestmark = pytest.mark.model
 
@@ -43,29 +41,17 @@ STREAM_CAP = 8          # --max-stream-requests
 MAX_REQUEST = 4 * 2**20  # --max-request-bytes
 
 
-class Server(ServerProcess):
+class Server(HttpServerProcess):
     def __init__(self, plan, *args, log_path=None):
-        self.http_port = free_port()
-        super().__init__(plan, "--http-port", str(self.http_port), "--auth-token", TOKEN,
-                         "--metrics-auth", *args, log_path=log_path, metadata=AUTH,
-                         metrics_token=TOKEN)
-        self.base = f"http://127.0.0.1:{self.http_port}"
+        super().__init__(plan, "--auth-token", TOKEN, "--metrics-auth", *args,
+                         log_path=log_path, metadata=AUTH, metrics_token=TOKEN)
 
 
 @pytest.fixture(scope="module")
 def chat_plan(tiny_plan, tmp_path_factory):
     """A copy of the tiny plan with a chat template (so the chat route gets to validation)."""
-    d = tmp_path_factory.mktemp("plan") / "tiny-chat"
-    shutil.copytree(tiny_plan, d)
-    gen = json.loads((d / "generation.json").read_text())
-    gen["chat_template"] = ("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    data = json.dumps(gen).encode()
-    (d / "generation.json").write_bytes(data)
-    manifest = json.loads((d / "plan.json").read_text())
-    manifest["files"]["generation.json"] = {"sha256": hashlib.sha256(data).hexdigest(),
-                                            "size": len(data)}
-    (d / "plan.json").write_text(json.dumps(manifest, indent=2))
-    return d
+    return copy_with_chat_template(tiny_plan, tmp_path_factory.mktemp("plan") / "tiny-chat",
+                                   "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 
 
 @pytest.fixture(scope="module")

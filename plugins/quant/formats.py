@@ -36,7 +36,8 @@ int4_a8  int4 for the W4A8 kernel (int8 activations): asymmetric, groups of 32 a
       [N/16, K/32, 16] (the groups' minimums, not zero points)
       w[n, k] = q[n, k] * scales[n/16, k/32, n%16] + zeros[n/16, k/32, n%16],  q in 0..15
       scales = (max - min) / 15 of the group, zeros = min (both rounded to float16 first;
-      q is rounded against the stored values). error bound: |w - deq| <= scales / 2
+      q is rounded against the stored values). error bound: |w - deq| <= scales / 2, plus
+      the float16 roundings: scales * 2**-5 + |w| * 2**-10 + 2**-20 (underflow)
 
       Packed layout: block (rb, g) holds rows 16rb..16rb+15, k in 32g..32g+31, as four
       64-byte chunks c; byte 64c + 4r + j holds q[row r, k = 8c + j] in its low nibble and
@@ -269,9 +270,9 @@ def error_bound(w: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     rounding = w.float().abs() * 2.0 ** -22
     if qw.scheme == "int8":
         return qw.scales[:, None] / 2 + rounding
-    if qw.scheme == "int4_a8":
-        half = qw.scales.float().transpose(1, 2).reshape(n, -1) / 2
-        return half.repeat_interleave(INT4_A8_GROUP, dim=1) + rounding
+    if qw.scheme == "int4_a8":   # + float16 roundings of scale and minimum, and underflow
+        d = qw.scales.float().transpose(1, 2).reshape(n, -1).repeat_interleave(INT4_A8_GROUP, 1)
+        return d * (0.5 + 2.0 ** -5) + w.float().abs() * 2.0 ** -10 + 2.0 ** -20
     if qw.scheme == "int4":
         return (qw.scales / 2).repeat_interleave(qw.group_size, dim=1) + rounding
     if qw.scheme == "bf16":   # half an ulp; bf16 subnormals step by 2**-133

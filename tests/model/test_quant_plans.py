@@ -15,6 +15,7 @@ import yaml
 from builder.build import BuildError, build
 from builder.progress import Progress
 from builder.spec import SpecError, parse_spec
+from kiln_contracts.manifest import PlanManifest
 from runtime.engine import Engine
 from runtime.plan import load_plan
 from runtime.sampling import SamplingParams
@@ -104,7 +105,7 @@ def test_rerun_gate_matches_the_build(quant_plans):
     plan = load_plan(quant_plans["int8"])
     got = rerun_gate(plan)
     assert got["ok"] and abs(got["drift"]) < 1e-3
-    assert got["ppl"] == pytest.approx(plan.manifest["accuracy"]["ppl"], rel=1e-3)
+    assert got["ppl"] == pytest.approx(plan.manifest.accuracy.ppl, rel=1e-3)
     report = verify_plan(plan)
     assert report.ok and "accuracy: passed" in report.text
 
@@ -112,7 +113,7 @@ def test_rerun_gate_matches_the_build(quant_plans):
 def test_inspect_shows_accuracy(quant_plans):
     from runtime.inspect import describe
 
-    m = json.loads((quant_plans["int4"] / "plan.json").read_text())
+    m = PlanManifest.loads((quant_plans["int4"] / "plan.json").read_text())
     line = [l for l in describe(m).splitlines() if l.startswith("accuracy")][0]
     assert "unquantized" in line and "top-1 agreement" in line and "limit 15.00%" in line
 
@@ -231,8 +232,40 @@ def test_calibration_text_is_int4_or_int8_activations_only():
                                             {"calibration_text": "pydoc"})))
     parse_spec(yaml.safe_dump(tiny_spec("ok", {"weights": "int8", "activations": "int8"},
                                         {"calibration_text": "pydoc"})))
-    with pytest.raises(SpecError, match=r"precision.activations: int8 activations"):
-        parse_spec(yaml.safe_dump(tiny_spec("bad", {"weights": "int4", "activations": "int8"})))
+    with pytest.raises(SpecError, match=r"accuracy.calibration_text: W4A8"):
+        parse_spec(yaml.safe_dump(tiny_spec("bad", {"weights": "int4", "activations": "int8"},
+                                            {"calibration_text": "pydoc"})))
+
+
+@pytest.mark.parametrize("precision,path,message", [
+    ({"weights": "fp8", "activations": "int8"}, "precision.activations",
+     "need int8 or int4 weights"),
+    ({"weights": "int4", "activations": "int8", "group_size": 64}, "precision.group_size",
+     "use groups of 32"),
+])
+def test_int8_activations_need_int8_or_int4_group_32(precision, path, message):
+    with pytest.raises(SpecError) as e:
+        parse_spec(yaml.safe_dump(tiny_spec("bad", precision)))
+    assert any(p == path and message in m for p, m in e.value.problems), e.value.problems
+
+
+def test_w4a8_plan_keeps_group_minimums_gates_and_generates(tmp_path):
+    """int4 weights + int8 activations (W4A8): every layer linear runs kiln::linear_int4_a8 on
+    the interleaved group-minimum format, the tied head W8A8 on the embedding's int8 table;
+    the gate passes, the plan serves."""
+    path = write_spec(tmp_path, tiny_spec("tiny-w4a8", {"weights": "int4", "activations": "int8",
+                                                        "keep_high_precision": []}))
+    plan = build(path, TEST_PLANS / "tiny-w4a8", progress=Progress(enabled=False)).path
+    m = json.loads((plan / "plan.json").read_text())
+    q = m["precision"]["quantization"]
+    assert q["scheme"] == "int4_a8" and q["group_size"] == 32 and q["method"] == "rtn"
+    assert q["activations"] == "int8-per-group-32-dynamic" and "int8" in q["lm_head"]
+    assert m["accuracy"]["passed"]
+    assert "w4a8" in next(v for k, v in m["engine"]["kernel_paths"].items() if "quant" in k)
+    with Engine.from_plan(load_plan(plan)) as eng:
+        res = eng.generate(["hello world"], SamplingParams(max_tokens=8, temperature=0.0,
+                                                      ignore_eos=True))[0]
+    assert len(res.token_ids) == 8
 
 
 def test_w8a8_plan_smooths_gates_and_generates(tmp_path):

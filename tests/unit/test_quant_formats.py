@@ -7,7 +7,7 @@ from plugins.quant import formats
 pytestmark = pytest.mark.unit
 
 SCHEMES = [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64), ("int4", 128),
-           ("bf16", None)]
+           ("bf16", None), ("int4_a8", None)]
 
 
 def _weights(kind: str, n=48, k=256) -> torch.Tensor:
@@ -53,8 +53,29 @@ def test_relative_error_on_gaussian_weights(scheme, gs):
     w = _weights("random", 256, 512)
     deq = formats.dequantize(formats.quantize(w, scheme, gs))
     rel = ((w - deq).norm() / w.norm()).item()
-    limit = {"int8": 0.01, "fp8": 0.04, "int4": 0.12, "bf16": 0.003}[scheme]
+    limit = {"int8": 0.01, "fp8": 0.04, "int4": 0.12, "bf16": 0.003, "int4_a8": 0.12}[scheme]
     assert rel < limit, f"{scheme}: relative Frobenius error {rel:.4f} >= {limit}"
+
+
+def test_int4_a8_layout_and_q4_1_weights_round_trip_exactly():
+    """The interleaved layout puts row r, k = 8c + j (low) / 8c + 4 + j (high) at byte
+    64c + 4r + j of each group's 256 bytes; weights of Q4_1 form (fp16 scale and minimum,
+    codes 0..15 hitting both ends) come back bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (32, 64), generator=g)
+    packed = formats.pack_int4_a8(q)
+    assert packed.shape == (2, 2, 256) and packed.dtype == torch.uint8
+    assert packed[1, 1, 64 * 2 + 4 * 5 + 3] == q[16 + 5, 32 + 16 + 3] | (q[16 + 5, 32 + 20 + 3] << 4)
+    assert torch.equal(formats.unpack_int4_a8(packed).long(), q)
+    d = (torch.rand(32, 2, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(32, 2, generator=g) * 0.1).half().float()
+    q[:, 0], q[:, 31], q[:, 32], q[:, 63] = 0, 15, 0, 15
+    w = q.float().reshape(32, 2, 32) * d[..., None] + m[..., None]
+    qw = formats.quantize(w.reshape(32, 64), "int4_a8")
+    assert torch.equal(formats.dequantize(qw), w.reshape(32, 64))
+    assert torch.equal(formats.unpack_int4_a8(qw.qweight).long(), q)
+    with pytest.raises(ValueError, match="N % 16"):
+        formats.quantize(torch.randn(24, 64), "int4_a8")
 
 
 def test_storage_dtypes_and_shapes():

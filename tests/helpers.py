@@ -159,6 +159,25 @@ def check_paged_attention(op, batch: Batch, atol=1e-4, rtol=1e-4) -> torch.Tenso
     return out
 
 
+def check_int32_metadata_and_strided_qkv(op) -> None:
+    """op with int32 index tensors and q, k, v as strided views of one fused projection (what
+    the Llama model passes) == the reference on contiguous int64 inputs."""
+    from plugins.paged_kv.ops import paged_attention_reference
+
+    b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
+    T, H, KVH, D = b.q.shape[0], 9, 3, 64
+    qkv = torch.randn(T, (H + 2 * KVH) * D)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    b.q, b.k, b.v = q.view(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
+    assert not b.v.is_contiguous()
+    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
+    ref = paged_attention_reference(*b.args(ref_k, ref_v))
+    out = op(b.q, b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping.int(), b.block_tables.int(),
+             b.context_lens.int(), b.query_start_loc.int(), b.scale)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
+
+
 MIXED = [(0, 37), (100, 50), (500, 1), (2047, 1), (0, 1), (13, 3), (300, 64), (5, 0)]
 HEAD_SHAPES = [             # (H, KVH, D, tokens_per_block)
     (4, 4, 64, 16),         # MHA
@@ -202,3 +221,25 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \
                                f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+# ---- specs -----------------------------------------------------------------------------------
+TINY_SPEC = """
+name: t
+model:
+  source: random
+  arch: {vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
+         num_attention_heads: 2}
+"""   # the smallest valid spec text: tests append sections to it
+
+
+def spec_problems(text: str) -> tuple[dict[str, str], str]:
+    """The spec text's problems ({yaml path: message}, the whole message); it must fail."""
+    import pytest
+
+    from builder.spec import SpecError, parse_spec
+
+    with pytest.raises(SpecError) as e:
+        parse_spec(text)
+    return dict(e.value.problems), str(e.value)
+

@@ -8,9 +8,9 @@ import torch
 pytest.importorskip("triton")
 
 from plugins.paged_kv import kv_format, triton_attention  # noqa: E402
-from plugins.paged_kv.ops import paged_attention_reference  # noqa: E402
 from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES,  # noqa: E402
-                           Batch, check_paged_attention, make_batch)
+                           Batch, check_int32_metadata_and_strided_qkv, check_paged_attention,
+                           make_batch)
 
 pytestmark = pytest.mark.interpret
 
@@ -94,19 +94,7 @@ def test_fp8_rounding_ties_and_extremes():
 
 
 def test_int32_metadata_and_strided_qkv():
-    b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
-    T, H, KVH, D = b.q.shape[0], 9, 3, 64
-    qkv = torch.randn(T, (H + 2 * KVH) * D)   # q, k, v as views of one fused projection
-    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-    b.q, b.k, b.v = q.view(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
-    assert not b.v.is_contiguous()
-    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
-    ref = paged_attention_reference(*b.args(ref_k, ref_v))
-    out = torch.ops.kiln.paged_attention_triton(
-        b.q, b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping.int(), b.block_tables.int(),
-        b.context_lens.int(), b.query_start_loc.int(), b.scale)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
+    check_int32_metadata_and_strided_qkv(torch.ops.kiln.paged_attention_triton)
 
 
 @pytest.mark.parametrize("change,match", [

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from plugins.paged_kv import kernels, kv_format
-from plugins.paged_kv.ops import paged_attention_reference
 from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES, Batch,
-                           check_paged_attention, make_batch)
+                           check_int32_metadata_and_strided_qkv, check_paged_attention,
+                           make_batch)
 
 pytestmark = pytest.mark.model
 
@@ -92,20 +92,7 @@ def test_quantized_pool_holds_more_tokens():
 
 
 def test_int32_metadata_and_strided_qkv():
-    b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
-    T, H, KVH, D = b.q.shape[0], 9, 3, 64
-    # q, k, v as views of one fused projection (what the Llama model passes)
-    qkv = torch.randn(T, (H + 2 * KVH) * D)
-    q, k, v = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
-    b.q, b.k, b.v = q.view(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D)
-    assert not b.v.is_contiguous()
-    ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
-    ref = paged_attention_reference(*b.args(ref_k, ref_v))
-    out = torch.ops.kiln.paged_attention(
-        b.q, b.k, b.v, b.k_cache, b.v_cache, b.slot_mapping.int(), b.block_tables.int(),
-        b.context_lens.int(), b.query_start_loc.int(), b.scale)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)
+    check_int32_metadata_and_strided_qkv(torch.ops.kiln.paged_attention)
 
 
 def _call(b: Batch, **over):

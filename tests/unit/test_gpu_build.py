@@ -4,23 +4,10 @@ import pytest
 import torch
 
 from builder import gpu
-from builder.spec import SpecError, parse_spec
+from builder.spec import parse_spec
+from tests.helpers import TINY_SPEC as BASE, spec_problems as problems
 
 pytestmark = pytest.mark.unit
-
-BASE = """
-name: t
-model:
-  source: random
-  arch: {vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1,
-         num_attention_heads: 2}
-"""
-
-
-def problems(text):
-    with pytest.raises(SpecError) as e:
-        parse_spec(text)
-    return dict(e.value.problems), str(e.value)
 
 
 @pytest.mark.parametrize("device", ["a100", "a10g", "sm_86", "sm_80"])

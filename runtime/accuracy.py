@@ -6,20 +6,18 @@ with the plan's tokenizer (no special tokens), cut to `eval_tokens` tokens, and 
 windows of `window` tokens (min(max_num_tokens, max_seq_len, 512)); **each window is a fresh
 sequence** (no sliding context), so every window scores window - 1 next-token predictions.
 
-Scoring one window through the packed step, which returns logits for one row per sequence:
-the window's tokens are prefilled `max_batch_size` at a time, each token scheduled as its
-own one-token "sequence" whose block table is the window's shared table:
+Scoring one window (`evaluate`): the window is one engine step of one sequence, packed by
+ModelInput.build like any serving step, asking for the logits of every position but the last
+(the step's logits rows have their own dynamic dim, up to max_num_tokens):
 
-    step j:  seq 0 = [t_p]  ctx p+1 | seq 1 = [t_p+1]  ctx p+2 | ... | seq B-1 = [t_p+B-1]
-             all with block_tables = the window's blocks
+    input_ids = t_0 .. t_{W-1}   positions 0 .. W-1   block_tables = [the window's blocks]
+    logits_indices = 0 .. W-2    -> W - 1 rows: row p predicts t_{p+1}
 
-The attention op writes every token's K/V into its slot before attending, so token p+i sees
-tokens 0..p+i exactly as in a causal prefill, and the step hands back B logits rows: one
-prediction per token. The KV pool is the plan's dtype, sized for one window.
-
-builder/accuracy.py computes the unquantized reference (eager fp32) on the same windows and
-gates the build; `kiln verify` re-runs the plan side here (`rerun_gate`) against the
-reference recorded in the manifest (runtime never imports the builder).
+The KV pool is the plan's dtype, sized for one window (block 0 unused). `evaluate` takes any
+step function: builder/accuracy.py scores the unquantized reference (the eager fp32 model)
+and the compiled plan through it and gates the build; `kiln verify` re-runs the plan side
+here (`rerun_gate`) against the reference recorded in the manifest (runtime never imports
+the builder).
 """
 from __future__ import annotations
 

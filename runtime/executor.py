@@ -1,8 +1,8 @@
 """The executor: owns the paged KV pools and runs one compiled engine step on a packed batch.
 
-The model runner (runtime/model_runner.py), the build's checks and the accuracy gate hand it
-one `ModelInput` per step, packed by `ModelInput.build`, and get logits back; the executor
-never decides policy (which sequences, which blocks) — that is the scheduler's and
+The model runner (runtime/model_runner.py) and the accuracy gate hand it one `ModelInput` per
+step, packed by `ModelInput.build` (the one packer; the build's compiled-vs-eager check packs
+with it too), and get logits back; the executor never decides policy (which sequences, which blocks) — that is the scheduler's and
 the block pool's job.
 """
 from __future__ import annotations

@@ -49,16 +49,16 @@ class Runner:
     def __init__(self, path: Path, context: int, batch: int = 32):
         self.plan = load_plan(path)
         m = self.plan.manifest
-        cfg, bs = m["model"]["config"], m["kv_cache"]["tokens_per_block"]
+        cfg, bs = m.model.shape, m.kv_cache.tokens_per_block
         per_seq = -(-(context + 1) // bs)
-        layout = KVLayout(cfg["num_layers"], batch * per_seq + 1, bs, cfg["num_kv_heads"],
-                          cfg["head_dim"], m["kv_cache"]["dtype"])
+        layout = KVLayout(cfg.num_layers, batch * per_seq + 1, bs, cfg.num_kv_heads,
+                          cfg.head_dim, m.kv_cache.dtype)
         self.ex = Executor(load_step_fn(self.plan), layout)
         g = torch.Generator().manual_seed(0)
         self.tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(batch)]
-        step = m["limits"]["max_num_tokens"]
+        step = m.limits.max_num_tokens
         for i, table in enumerate(self.tables):            # prefill `context` tokens per seq
-            toks = torch.randint(0, cfg["vocab_size"], (context,), generator=g).tolist()
+            toks = torch.randint(0, cfg.vocab_size, (context,), generator=g).tolist()
             for s in range(0, context, step):
                 self.ex.execute(ModelInput.build([toks[s:s + step]], [s], [table], bs))
         self.batches = {n: ModelInput.build([[7 + i] for i in range(n)], [context] * n,

@@ -94,8 +94,7 @@ class Gate:
         self.text_name = "pydoc"
         text = racc.eval_text(self.text_name)
         self.text_sha = racc.sha256_text(text)
-        self.window = racc.window_size({"max_num_tokens": spec.limits.max_num_tokens,
-                                        "max_seq_len": spec.limits.max_seq_len})
+        self.window = racc.window_size(spec.limits.max_num_tokens, spec.limits.max_seq_len)
         n = spec.accuracy.eval_tokens
         all_ids = racc.eval_ids(encoder(ckpt.tokenizer_json), text, n)
         self.ids = all_ids
@@ -140,8 +139,7 @@ def calibration_runner(spec, ckpt) -> Callable[[torch.nn.Module], None]:
             ids = enc(racc.eval_text("pydoc"))[:CALIBRATION_TOKENS]
     else:
         ids = enc(name)[:CALIBRATION_TOKENS]
-    window = racc.window_size({"max_num_tokens": spec.limits.max_num_tokens,
-                               "max_seq_len": spec.limits.max_seq_len})
+    window = racc.window_size(spec.limits.max_num_tokens, spec.limits.max_seq_len)
 
     def run(model):
         racc.evaluate(model, eager_layout(model, window, spec.kv_cache.tokens_per_block),

@@ -20,6 +20,11 @@ from pathlib import Path
 from builder.progress import Progress
 from builder.spec import Spec, SpecError, load_spec, parse_memory
 from builder.uptodate import quick_key, quick_up_to_date
+from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
+from kiln_contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
+                                     KVCacheSection, LimitsSection, ModelSection, PlanManifest,
+                                     PrecisionSection, SchedulerSection, TargetSection,
+                                     ToolchainSection)
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
 # need them: an up-to-date check must answer in well under 2 seconds.
@@ -36,7 +41,7 @@ class BuildResult:
     rebuilt: bool
     reason: str
     seconds: float
-    manifest: dict
+    manifest: PlanManifest
 
 
 def default_output(spec: Spec) -> Path:
@@ -100,23 +105,24 @@ def resolve_target(spec: Spec) -> dict:
 
 def is_up_to_date(out: Path, fp: str) -> bool:
     """A plan at `out` with this fingerprint whose files are all present at their sizes."""
-    from runtime.plan import FORMAT_VERSION, read_manifest
+    from runtime.plan import read_manifest
 
     try:
-        manifest = read_manifest(out)
+        manifest = read_manifest(out)   # PlanError for another format version
     except Exception:
         return False
-    if manifest.get("fingerprint") != fp or manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.fingerprint != fp:
         return False
-    return all((out / rel).is_file() and (out / rel).stat().st_size == meta["size"]
-               for rel, meta in manifest.get("files", {}).items())
+    return all((out / rel).is_file() and (out / rel).stat().st_size == meta.size
+               for rel, meta in manifest.files.items())
 
 
-def kv_budget(spec: Spec) -> dict:
+def kv_cache_section(spec: Spec) -> KVCacheSection:
     kind, value = parse_memory(spec.kv_cache.memory)
-    if kind == "bytes":
-        return {"budget_bytes": int(value), "budget_fraction": None}
-    return {"budget_bytes": None, "budget_fraction": float(value)}
+    return KVCacheSection(tokens_per_block=spec.kv_cache.tokens_per_block, dtype=spec.kv_dtype,
+                          memory=spec.kv_cache.memory,
+                          budget_bytes=int(value) if kind == "bytes" else None,
+                          budget_fraction=None if kind == "bytes" else float(value))
 
 
 def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
@@ -127,7 +133,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     spec = load_spec(spec_path)
     out = Path(out) if out else default_output(spec)
     if not force and (manifest := quick_up_to_date(spec, out)) is not None:
-        return BuildResult(out, manifest["fingerprint"], False, "up to date",
+        return BuildResult(out, manifest.fingerprint, False, "up to date",
                            time.perf_counter() - t0, manifest)
     from builder.sources import open_checkpoint
 
@@ -168,14 +174,15 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
-                fp_inputs: dict, progress: Progress) -> dict:
+                fp_inputs: dict, progress: Progress) -> PlanManifest:
+    """Build the plan's files into tmp, then its manifest (the one writer of plan.json)."""
     import torch
 
     from builder import compile as kcompile
     from builder.fingerprint import toolchain
     from plugins import isa as cpu_isa
     from builder.sources import load_model, resolve_source
-    from runtime.plan import FORMAT_VERSION, MANIFEST, sha256_file
+    from runtime.plan import sha256_file
 
     cfg = ckpt.config
     progress.stage(f"loading weights: {ckpt.source_desc}")
@@ -211,13 +218,18 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
     engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend,
                                           level)
     del captured
+    # The engine section, once: the build's check and accuracy gate load the engine by it.
+    engine = EngineSection(backend=spec.target.backend, file=engine_file.name,
+                           kernels=tuple(k.relative_to(tmp).as_posix() for k in kernels),
+                           plugins=tuple(kcompile.engine_plugins(spec)),
+                           kernel_paths=kernel_paths, inputs=tuple(kcompile.INPUT_NAMES))
 
     progress.stage("checking the compiled step against the eager model")
-    check = kcompile.check_engine(model, tmp, engine_file, kernels, spec, kv_dtype)
+    check = kcompile.check_engine(model, tmp, engine, spec, kv_dtype)
     del model
     accuracy = None
     if gate is not None:
-        accuracy = _accuracy_gate(gate, tmp, engine_file, kernels, spec, progress)
+        accuracy = _accuracy_gate(gate, tmp, engine, spec, progress)
 
     (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
@@ -225,44 +237,39 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
     files = {}
     for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
         rel = f.relative_to(tmp).as_posix()
-        files[rel] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "name": spec.name,
-        "fingerprint": fp,
-        "fingerprint_inputs": fp_inputs,
-        "quick_key": quick_key(spec),
-        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "spec_path": os.path.relpath(spec_path) if not os.path.isabs(str(spec_path)) else str(spec_path),
-        "spec": spec.canonical(),
-        "model": {
-            "family": cfg.family,
-            "config": cfg.to_dict(),
-            "num_parameters": cfg.num_parameters,
-            "source": ckpt.source_desc,
-            "source_path": None if spec.model.source == "random"
-            else resolve_source(spec.model.source),
-            "weights_digest": ckpt.weights_digest,
-        },
-        "target": target,
-        "toolchain": toolchain(),
-        "precision": {"weights": spec.precision.weights, "kv_cache": kv_dtype,
-                      "activations": spec.precision.activations, "quantization": quant_info},
-        "limits": {"max_batch_size": limits.max_batch_size, "max_seq_len": limits.max_seq_len,
-                   "max_input_len": limits.input_len, "max_num_tokens": limits.max_num_tokens},
-        "kv_cache": {"tokens_per_block": spec.kv_cache.tokens_per_block, "dtype": kv_dtype,
-                     "memory": spec.kv_cache.memory, **kv_budget(spec)},
-        "scheduler": spec.scheduler.model_dump(mode="json"),
-        "engine": {"backend": spec.target.backend, "file": engine_file.name,
-                   "kernels": [k.relative_to(tmp).as_posix() for k in kernels],
-                   "kernel_paths": kernel_paths,
-                   "plugins": kcompile.engine_plugins(spec),
-                   "inputs": list(kcompile.INPUT_NAMES)},
-        "check": check,
-        "accuracy": accuracy,
-        "files": files,
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        files[rel] = FileEntry(size=f.stat().st_size, sha256=sha256_file(f))
+    manifest = PlanManifest(
+        format_version=PLAN_FORMAT_VERSION,
+        name=spec.name,
+        fingerprint=fp,
+        fingerprint_inputs=fp_inputs,
+        quick_key=quick_key(spec),
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        spec_path=(os.path.relpath(spec_path) if not os.path.isabs(str(spec_path))
+                   else str(spec_path)),
+        spec=spec.canonical(),
+        model=ModelSection(
+            family=cfg.family, config=cfg.to_dict(), num_parameters=cfg.num_parameters,
+            source=ckpt.source_desc,
+            source_path=(None if spec.model.source == "random"
+                         else resolve_source(spec.model.source)),
+            weights_digest=ckpt.weights_digest),
+        target=TargetSection.from_json(target, "target"),
+        toolchain=ToolchainSection(**toolchain()),
+        precision=PrecisionSection(weights=spec.precision.weights, kv_cache=kv_dtype,
+                                   activations=spec.precision.activations,
+                                   quantization=quant_info),
+        limits=LimitsSection(max_batch_size=limits.max_batch_size,
+                             max_seq_len=limits.max_seq_len, max_input_len=limits.input_len,
+                             max_num_tokens=limits.max_num_tokens),
+        kv_cache=kv_cache_section(spec),
+        scheduler=SchedulerSection(**spec.scheduler.model_dump(mode="json")),
+        engine=engine,
+        check=check,
+        accuracy=accuracy,
+        files=files,
+    )
+    (tmp / MANIFEST_FILE).write_text(manifest.dumps())
     return manifest
 
 
@@ -295,27 +302,21 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
         raise SpecError(spec.name, [(path, str(e))]) from None
     info["group_size_source"] = ("spec" if p.group_size is not None else
                                  "auto" if p.weights == "int4" else None)
-    if p.weights == "fp8":   # the CPU kernel upcasts E4M3 to fp32; a GPU with FP8 would MMA
-        info["fp8_compute"] = "fp8-mma" if spec.target.is_gpu else "upcast-fp32"
-    return info
+    return info   # fp8_compute: the quantizer says how its kernel computes
 
 
-def _accuracy_gate(gate, tmp: Path, engine_file: Path, kernels, spec: Spec,
-                   progress: Progress) -> dict:
+def _accuracy_gate(gate, tmp: Path, engine: EngineSection, spec: Spec,
+                   progress: Progress) -> AccuracyRecord:
     """Run the compiled plan on the evaluation text; BuildError when over the limit."""
     from runtime import accuracy as racc
-    from builder import compile as kcompile
-    from runtime.plan import Plan, load_step_fn
+    from runtime.plan import load_engine
 
     progress.stage(f"accuracy gate: compiled plan vs unquantized model on {len(gate.ids)} "
                    f"tokens of {gate.text_name}")
-    engine = {"backend": spec.target.backend, "file": engine_file.name,
-              "kernels": [k.relative_to(tmp).as_posix() for k in kernels],
-              "plugins": kcompile.engine_plugins(spec)}
-    step = load_step_fn(Plan(tmp, {"engine": engine}))
+    step = load_engine(tmp, engine)
     acc = gate.run(step, spec.kv_dtype, tmp)
     progress.stage("accuracy: " + racc.describe(acc))
     msg = racc.gate_message(acc, spec.name, spec.precision.weights, spec.kv_dtype)
     if msg:
         raise BuildError(msg)
-    return acc
+    return AccuracyRecord.from_json(acc, "accuracy")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
+from kiln_contracts.manifest import CheckSection, EngineSection
 from plugins.isa import IsaLevel
 from plugins.paged_kv import kv_format
 from runtime.executor import ModelInput
@@ -131,21 +132,18 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
 
 
 @torch.no_grad()
-def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kernels, spec,
-                 kv_dtype: str) -> dict:
+def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, spec,
+                 kv_dtype: str) -> CheckSection:
     """Run the compiled step and the eager model on the same batches; they must agree.
 
     Two steps over the same pool (a prefill chunk, then decodes) so the in-place KV writes of
     the compiled step are exercised too. Returns the max logit difference.
     """
-    from runtime.plan import Plan, load_step_fn
+    from runtime.plan import load_engine
 
     cfg = model.cfg
     bs = spec.kv_cache.tokens_per_block
-    engine = {"backend": spec.target.backend, "file": engine_file.name,
-              "kernels": [k.relative_to(plan_dir).as_posix() for k in kernels],
-              "plugins": engine_plugins(spec)}
-    step = load_step_fn(Plan(plan_dir, {"engine": engine}))
+    step = load_engine(plan_dir, engine)
     B = min(3, spec.limits.max_batch_size)
     chunk = min(spec.limits.max_num_tokens - (B - 1), 12, spec.limits.max_seq_len - 2)
     lens = [chunk] + [1] * (B - 1)
@@ -190,4 +188,4 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine_file: Path, kern
         raise RuntimeError(f"the compiled engine disagrees with the eager model: max logit "
                            f"difference {worst:.3g} > {tol}; this is a compiler bug, the plan "
                            "was not written (try target.backend: eager to debug)")
-    return {"max_logit_diff": worst, "tolerance": tol}
+    return CheckSection(max_logit_diff=worst, tolerance=tol)

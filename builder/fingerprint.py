@@ -14,12 +14,12 @@ import sys
 
 import torch
 
-import kiln
 from builder.spec import Spec
+from kiln_contracts import KILN_VERSION
 
 
 def toolchain() -> dict:
-    return {"kiln": kiln.__version__, "torch": torch.__version__,
+    return {"kiln": KILN_VERSION, "torch": torch.__version__,
             "python": ".".join(map(str, sys.version_info[:3]))}
 
 

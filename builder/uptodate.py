@@ -17,6 +17,8 @@ from importlib.machinery import PathFinder
 from pathlib import Path
 
 from builder.spec import Spec
+from kiln_contracts import KILN_VERSION, MANIFEST_FILE, PLAN_FORMAT_VERSION
+from kiln_contracts.manifest import PlanManifest
 
 PKG_SCHEME = "pkg://"
 
@@ -57,8 +59,6 @@ def _cpu_flags_digest() -> str:
 
 def quick_key(spec: Spec) -> str | None:
     """A cheap key that changes whenever any fingerprint input may have changed."""
-    import kiln
-
     files = _source_files(spec.model.source)
     if files is None:
         return None
@@ -75,26 +75,24 @@ def quick_key(spec: Spec) -> str | None:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         return None
-    data = {"spec": spec.canonical(), "files": stats, "kiln": kiln.__version__,
+    data = {"spec": spec.canonical(), "files": stats, "kiln": KILN_VERSION,
             "torch": torch_version, "cpu": _cpu_flags_digest(),
-            "format": kiln.PLAN_FORMAT_VERSION}
+            "format": PLAN_FORMAT_VERSION}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def quick_up_to_date(spec: Spec, out: Path) -> dict | None:
-    """The plan's manifest if the plan at `out` is up to date by its quick key, else None."""
+def quick_up_to_date(spec: Spec, out: Path) -> PlanManifest | None:
+    """The plan's manifest if the plan at `out` is up to date by its quick key, else None
+    (also for a manifest of another format version, or one that does not read)."""
     try:
-        manifest = json.loads((out / "plan.json").read_text())
-    except (OSError, ValueError):
+        manifest = PlanManifest.loads((out / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):   # ManifestError and JSONDecodeError are ValueErrors
         return None
-    import kiln
-
     key = quick_key(spec)
-    if key is None or manifest.get("quick_key") != key \
-            or manifest.get("format_version") != kiln.PLAN_FORMAT_VERSION:
+    if key is None or manifest.quick_key != key:
         return None
-    for rel, meta in manifest.get("files", {}).items():
+    for rel, meta in manifest.files.items():
         f = out / rel
-        if not f.is_file() or f.stat().st_size != meta.get("size"):
+        if not f.is_file() or f.stat().st_size != meta.size:
             return None
     return manifest

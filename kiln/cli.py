@@ -59,7 +59,7 @@ def inspect(plan: Path = typer.Argument(..., help="a plan directory"),
     except PlanError as e:
         _fail(str(e))
     if as_json:
-        typer.echo(json.dumps(manifest, indent=2, sort_keys=True))
+        typer.echo(manifest.dumps())
     else:
         typer.echo(describe(manifest, plan))
 

@@ -66,8 +66,9 @@ def eval_ids(encode: Callable[[str], list[int]], text: str, n: int) -> list[int]
     return ids[:n]
 
 
-def window_size(limits: dict) -> int:
-    return min(MAX_WINDOW, limits["max_num_tokens"], limits["max_seq_len"])
+def window_size(max_num_tokens: int, max_seq_len: int) -> int:
+    """Tokens per evaluation window: one engine step, one sequence."""
+    return min(MAX_WINDOW, max_num_tokens, max_seq_len)
 
 
 def windows(ids: Sequence[int], window: int) -> list[list[int]]:
@@ -164,30 +165,30 @@ def rerun_gate(plan: Plan, step_fn=None) -> dict:
     from runtime.tokenizer import Tokenizer
 
     m = plan.manifest
-    recorded = m.get("accuracy")
+    recorded = m.accuracy
     if not recorded:
         raise ValueError(f"plan {plan.path} recorded no accuracy gate")
-    text = eval_text(recorded["text"])
-    if sha256_text(text) != recorded["text_sha256"]:
-        raise ValueError(f"the evaluation text {recorded['text']!r} on this machine differs "
+    text = eval_text(recorded.text)
+    if sha256_text(text) != recorded.text_sha256:
+        raise ValueError(f"the evaluation text {recorded.text!r} on this machine differs "
                          "from the build's (another Python version?); cannot compare")
     tok = Tokenizer.from_plan(plan)
     ids = eval_ids(lambda t: tok.encode(t, add_special_tokens=False), text,
-                   recorded["eval_tokens"])
-    if sha256_ids(ids) != recorded["ids_sha256"]:
+                   recorded.eval_tokens)
+    if sha256_ids(ids) != recorded.ids_sha256:
         raise ValueError("the evaluation tokens differ from the build's (tokenizer changed?)")
     step_fn = step_fn or load_step_fn(plan)
-    cfg, window = plan.model_config, window_size(m["limits"])
-    layout = eval_layout(cfg["num_layers"], cfg["num_kv_heads"], cfg["head_dim"], window,
-                         m["kv_cache"]["tokens_per_block"], m["kv_cache"]["dtype"])
+    shape, window = plan.shape, window_size(m.limits.max_num_tokens, m.limits.max_seq_len)
+    layout = eval_layout(shape.num_layers, shape.num_kv_heads, shape.head_dim, window,
+                         m.kv_cache.tokens_per_block, m.kv_cache.dtype)
     res = evaluate(step_fn, layout, ids, window)
-    got = summarize(res, recorded["ref_ppl"], read_top1(plan.path / REFERENCE_FILE),
-                    recorded["max_ppl_increase"])
-    got["text"] = recorded["text"]
-    drift = got["ppl"] / recorded["ppl"] - 1.0
+    got = summarize(res, recorded.ref_ppl, read_top1(plan.path / REFERENCE_FILE),
+                    recorded.max_ppl_increase)
+    got["text"] = recorded.text
+    drift = got["ppl"] / recorded.ppl - 1.0
     got["drift"] = drift
     got["ok"] = bool(got["passed"] and abs(drift) <= DRIFT_TOLERANCE)
-    got["summary"] = describe(got) + f"; {drift:+.2%} vs the build's ppl {recorded['ppl']:.3f}"
+    got["summary"] = describe(got) + f"; {drift:+.2%} vs the build's ppl {recorded.ppl:.3f}"
     if abs(drift) > DRIFT_TOLERANCE:
         got["summary"] += f" (more than {DRIFT_TOLERANCE:.0%}: the plan changed)"
     return got

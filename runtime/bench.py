@@ -64,10 +64,10 @@ def _run(engine: Engine, prompts, params, concurrency) -> dict:
 
 def _naive_hf(plan: Plan, prompts: list[list[int]], output_len: int) -> dict:
     """One transformers generate() per request, in order: the baseline server."""
-    src = plan.manifest["model"].get("source_path")
+    src = plan.manifest.model.source_path
     if not src:
         return {"skipped": f"the plan records no HF/GGUF source path (model source "
-                           f"{plan.manifest['model'].get('source')!r})"}
+                           f"{plan.manifest.model.source!r})"}
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -132,7 +132,7 @@ def run_offline(plan_path, requests: int = 64, prompt_len: tuple[int, int] = (64
     rng = random.Random(seed)
     engine = Engine.from_plan(plan)
     tok, cfg = engine.tokenizer, engine.config
-    vocab = min(tok.vocab_size, plan.model_config["vocab_size"])
+    vocab = min(tok.vocab_size, plan.shape.vocab_size)
     prompts = _workload(rng, requests, tuple(prompt_len), output_len, vocab, cfg.input_len,
                         cfg.max_seq_len)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

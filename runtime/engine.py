@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence as Seq, Union
 
 from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
                                        SchedulerOutput, Sequence, SequenceStatus, StepOutput)
+from kiln_contracts import default_input_len
 from runtime.compute import enter_engine_thread
 from runtime.executor import Executor
 from runtime.guided import GrammarCache
@@ -61,13 +62,11 @@ class EngineConfig(SchedulerConfig):
             raise ValueError(f"unknown engine setting {unknown[0]!r}; settings: "
                              f"{', '.join(sorted(names))}")
         lim = plan.limits
-        planned = {k: lim[k] for k in ("max_batch_size", "max_num_tokens", "max_seq_len")}
-        planned["max_input_len"] = lim.get("max_input_len") or lim["max_seq_len"] - 1
+        planned = {"max_batch_size": lim.max_batch_size, "max_num_tokens": lim.max_num_tokens,
+                   "max_seq_len": lim.max_seq_len, "max_input_len": lim.max_input_len}
         values = dict(planned)
-        values["tokens_per_block"] = plan.manifest["kv_cache"]["tokens_per_block"]
-        for k, v in (plan.manifest.get("scheduler") or {}).items():
-            if k in names:
-                values[k] = v
+        values["tokens_per_block"] = plan.manifest.kv_cache.tokens_per_block
+        values.update(dataclasses.asdict(plan.manifest.scheduler))
         for k, v in overrides.items():
             if v is None:
                 continue
@@ -80,7 +79,8 @@ class EngineConfig(SchedulerConfig):
                                  f"{values[k]}; it is fixed at build time")
             values[k] = v
         if "max_input_len" not in overrides:   # follows a lowered max_seq_len
-            values["max_input_len"] = min(values["max_input_len"], values["max_seq_len"] - 1)
+            values["max_input_len"] = min(values["max_input_len"],
+                                          default_input_len(values["max_seq_len"]))
         return cls(**values)
 
 
@@ -161,7 +161,7 @@ class Engine:
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
         return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
-                   config, start=start, vocab_size=plan.model_config.get("vocab_size"),
+                   config, start=start, vocab_size=plan.shape.vocab_size,
                    num_threads=num_threads)
 
     # ---- the loop ----------------------------------------------------------------------------

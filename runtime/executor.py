@@ -14,6 +14,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from kiln_contracts.manifest import KVCacheSection
 from plugins.paged_kv import kv_format
 from runtime.plan import Plan, PlanError, load_step_fn
 
@@ -62,11 +63,11 @@ def available_memory() -> int:
     return 4 << 30
 
 
-def resolve_kv_budget(kv: dict) -> int:
+def resolve_kv_budget(kv: KVCacheSection) -> int:
     """The KV pool budget in bytes from the plan's kv_cache section (bytes or a fraction)."""
-    if kv.get("budget_fraction"):
-        return int(available_memory() * kv["budget_fraction"])
-    return int(kv["budget_bytes"])
+    if kv.budget_fraction:
+        return int(available_memory() * kv.budget_fraction)
+    return int(kv.budget_bytes)
 
 
 @dataclass
@@ -146,12 +147,11 @@ class Executor:
     @classmethod
     def from_plan(cls, plan: Plan, kv_budget_bytes: int | None = None) -> "Executor":
         """Load the plan's engine and allocate its KV pools from the budget (plan's default)."""
-        cfg = plan.model_config
-        kv = plan.manifest["kv_cache"]
+        shape, kv = plan.shape, plan.manifest.kv_cache
         budget = kv_budget_bytes or resolve_kv_budget(kv)
         try:
-            layout = KVLayout.for_budget(budget, cfg["num_layers"], kv["tokens_per_block"],
-                                         cfg["num_kv_heads"], cfg["head_dim"], kv["dtype"])
+            layout = KVLayout.for_budget(budget, shape.num_layers, kv.tokens_per_block,
+                                         shape.num_kv_heads, shape.head_dim, kv.dtype)
         except ValueError as e:
             raise PlanError(f"plan {plan.path}: {e}") from None
         return cls(load_step_fn(plan), layout)

@@ -1,9 +1,17 @@
-"""The plan: one manifest (`plan.json`), one loader (`load_plan`).
+"""The plan: one manifest (`plan.json`, read by `read_manifest`), one loader (`load_plan`).
+
+    plan dir --read_manifest--> PlanManifest (kiln_contracts.manifest: typed, validated)
+             --load_plan--> Plan (format, target, toolchain, checksums of the data files)
+             --load_step_fn--> the compiled step (its code files hashed as they are copied)
 
 A plan is refused, before anything runs, when it cannot run correctly here: wrong format
 version, a file whose checksum does not match, a CPU ISA or compute capability this machine
 lacks, a torch the compiled code was not built for. Each refusal says what the plan needs,
 what this machine has, and the command that rebuilds it.
+
+Each file is hashed once per load: the data files (tokenizer, generation config) by
+`load_plan`, the code (the engine and its kernels) by `load_step_fn` while it copies them
+into a private directory, the copy being what is loaded.
 """
 from __future__ import annotations
 
@@ -12,23 +20,23 @@ import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from kiln import PLAN_FORMAT_VERSION as FORMAT_VERSION
+from kiln_contracts import MANIFEST_FILE as MANIFEST, PLAN_FORMAT_VERSION as FORMAT_VERSION
+from kiln_contracts.manifest import (EngineSection, FileEntry, LimitsSection, ManifestError,
+                                     ModelShape, PlanManifest, TargetSection)
 from plugins import isa as cpu_isa
 
-# Plan format versions:
-# 1: kiln 0.1-0.2.
-# 2: kv_cache.dtype may be int8/fp8 (pool rows of codes + a scale: plugins/paged_kv/kv_format)
-#    and bf16 plans run the quant plugin's linear_bf16; a version-1 runtime could not run them.
-# 3: target.isa is a kiln ISA level (plugins/isa.py) and target.cpu_features lists the CPU
-#    features the compiled code needs (asked of the compiler at build); engine.kernel_paths.
-MANIFEST = "plan.json"
 
 class PlanError(RuntimeError):
-    """A plan that cannot be loaded here; the message is meant for a person."""
+    """A plan that cannot be loaded here; the message is meant for a person. field: the
+    manifest field at fault when there is one (`limits.max_seq_len`)."""
+
+    def __init__(self, message: str, field: Optional[str] = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -36,23 +44,23 @@ class Plan:
     """A verified plan directory and its manifest."""
 
     path: Path
-    manifest: dict
+    manifest: PlanManifest
 
     @property
     def name(self) -> str:
-        return self.manifest["name"]
+        return self.manifest.name
 
     @property
     def fingerprint(self) -> str:
-        return self.manifest["fingerprint"]
+        return self.manifest.fingerprint
 
     @property
-    def model_config(self) -> dict:
-        return self.manifest["model"]["config"]
+    def shape(self) -> ModelShape:
+        return self.manifest.model.shape
 
     @property
-    def limits(self) -> dict:
-        return self.manifest["limits"]
+    def limits(self) -> LimitsSection:
+        return self.manifest.limits
 
     @property
     def generation(self) -> dict:
@@ -74,7 +82,9 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def read_manifest(path: str | Path) -> dict:
+def read_manifest(path: str | Path) -> PlanManifest:
+    """The one reader of plan.json: PlanError for a directory that is not a plan, a manifest
+    of another format version, or one with a bad field (named, in .field too)."""
     path = Path(path)
     mpath = path / MANIFEST
     if not path.is_dir():
@@ -84,18 +94,28 @@ def read_manifest(path: str | Path) -> dict:
         raise PlanError(f"{path} is not a plan: it has no {MANIFEST}. "
                         "Build one with: kiln build model_specs/<spec>.yaml")
     try:
-        manifest = json.loads(mpath.read_text())
+        data = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{mpath} is corrupt (not valid JSON: {e}). "
                         f"Rebuild the plan: {rebuild_command(None, path)}") from None
-    if not isinstance(manifest, dict) or "format_version" not in manifest:
+    if not isinstance(data, dict) or "format_version" not in data:
         raise PlanError(f"{mpath} is not a Kiln plan manifest (no format_version). "
-                        f"Rebuild the plan: {rebuild_command(None, path)}")
-    return manifest
+                        f"Rebuild the plan: {rebuild_command(None, path)}", "format_version")
+    spec_path = data.get("spec_path") if isinstance(data.get("spec_path"), str) else None
+    fix = f"kiln build {spec_path or 'model_specs/<spec>.yaml'} --force"
+    if data["format_version"] != FORMAT_VERSION:
+        raise PlanError(f"plan {path} has format version {data['format_version']}; this "
+                        f"runtime reads version {FORMAT_VERSION}. Rebuild it with this kiln: "
+                        f"{fix}", "format_version")
+    try:
+        return PlanManifest.from_json(data)
+    except ManifestError as e:
+        raise PlanError(f"{mpath} is corrupt: its field {e.field} is wrong ({e.problem}). "
+                        f"Rebuild the plan: {fix}", e.field) from None
 
 
-def rebuild_command(manifest: dict | None, path: Path) -> str:
-    spec = (manifest or {}).get("spec_path") or "model_specs/<spec>.yaml"
+def rebuild_command(manifest: Optional[PlanManifest], path: Path) -> str:
+    spec = (manifest.spec_path if manifest else None) or "model_specs/<spec>.yaml"
     return f"kiln build {spec} --force"
 
 
@@ -109,47 +129,49 @@ def machine_target() -> dict:
             "compute_capability": cc}
 
 
-def check_target(manifest: dict, path: Path, machine: dict | None = None) -> None:
-    """Refuse a plan whose target this machine cannot run."""
+def check_target(target: TargetSection, path: Path, machine: dict | None = None, *,
+                 spec_path: Optional[str] = None, pinned_isa: str = "auto") -> None:
+    """Refuse a plan whose target this machine cannot run. spec_path, pinned_isa: the spec
+    the plan was built from and its target.isa (for the fix the message suggests)."""
     machine = machine or machine_target()
-    target = manifest["target"]
-    fix = rebuild_command(manifest, path)
-    if target.get("arch") and target["arch"] != machine["arch"]:
-        raise PlanError(f"plan {path} was compiled for {target['arch']} CPUs; this machine is "
+    spec = spec_path or "model_specs/<spec>.yaml"
+    fix = f"kiln build {spec} --force"
+    if target.arch and target.arch != machine["arch"]:
+        raise PlanError(f"plan {path} was compiled for {target.arch} CPUs; this machine is "
                         f"{machine['arch']}. Rebuild it here: {fix}")
-    needed = target.get("cpu_features")
+    needed = target.cpu_features
     if needed is None:
         raise PlanError(f"plan {path} does not record the CPU features its code needs "
-                        f"(target.cpu_features). Rebuild it with this kiln: {fix}")
+                        f"(target.cpu_features). Rebuild it with this kiln: {fix}",
+                        "target.cpu_features")
     missing = cpu_isa.missing_features(needed, machine["cpu_flags"])
     if missing:
         best = cpu_isa.best_level(machine["cpu_flags"])
-        spec = manifest.get("spec_path") or "model_specs/<spec>.yaml"
-        pinned = manifest.get("spec", {}).get("target", {}).get("isa", "auto")
         how = (f"rebuild it on this machine (target.isa auto resolves to this machine's "
-               f"level, {best.name}): kiln build {spec}" if pinned == "auto" else
+               f"level, {best.name}): kiln build {spec}" if pinned_isa == "auto" else
                f"set target.isa: {best.name} (this machine's level) or auto in {spec}, then "
                f"run: kiln build {spec}")
         raise PlanError(
-            f"plan {path} was compiled for CPU ISA {target.get('isa')} and needs CPU features "
-            f"{', '.join(needed)}; this CPU lacks {', '.join(missing)}. To serve here, {how}")
-    cc = target.get("compute_capability")
-    if target.get("device", "cpu") != "cpu":
+            f"plan {path} was compiled for CPU ISA {target.isa} and needs CPU features "
+            f"{', '.join(needed)}; this CPU lacks {', '.join(missing)}. To serve here, {how}",
+            "target.cpu_features")
+    cc = target.compute_capability
+    if target.is_gpu:
         if machine["compute_capability"] is None:
-            raise PlanError(f"plan {path} targets {target['device']} ({cc}); this machine has no "
+            raise PlanError(f"plan {path} targets {target.device} ({cc}); this machine has no "
                             f"CUDA GPU. Build a CPU plan instead (target.device: cpu) with: {fix}")
         if machine["compute_capability"] != cc:
             raise PlanError(f"plan {path} was compiled for compute capability {cc}; this GPU is "
                             f"{machine['compute_capability']}. Rebuild it here: {fix}")
 
 
-def check_toolchain(manifest: dict, path: Path) -> None:
-    built = manifest["toolchain"]["torch"]
+def check_toolchain(manifest: PlanManifest, path: Path) -> None:
+    built = manifest.toolchain.torch
     if built != torch.__version__:
         raise PlanError(f"plan {path} was compiled with torch {built}; this runtime has torch "
                         f"{torch.__version__}, and compiled engines only run on the torch they "
                         f"were built with. Install torch=={built}, or rebuild: "
-                        f"{rebuild_command(manifest, path)}")
+                        f"{rebuild_command(manifest, path)}", "toolchain.torch")
 
 
 # The plugins a plan's engine may name (imported for their op schemas before it loads).
@@ -170,57 +192,67 @@ def confined(path: Path, rel: object, what: str) -> Path:
         raise PlanError(f"plan {path} is refused: its manifest's {what} {rel!r} is not a path "
                         "inside the plan directory (absolute, '..' or a link out of it). A plan "
                         "runs its compiled code: load plans only from a trusted store. Rebuild: "
-                        f"{rebuild_command(None, path)}")
+                        f"{rebuild_command(None, path)}", what)
     return f
 
 
-def check_engine_entries(manifest: dict, path: Path) -> None:
+def code_files(engine: EngineSection) -> list[str]:
+    """The files a plan runs: its kernels, then its engine (in load order)."""
+    return [*engine.kernels, engine.file]
+
+
+def check_engine_entries(manifest: PlanManifest, path: Path) -> None:
     """The engine file and kernels are inside the plan and listed with checksums; the plugins
     are kiln's own."""
-    engine, files = manifest["engine"], manifest.get("files", {})
-    for what, rel in [("engine.file", engine.get("file")),
-                      *(("engine.kernels entry", k) for k in engine.get("kernels", []))]:
+    engine, files = manifest.engine, manifest.files
+    for what, rel in [("engine.file", engine.file),
+                      *(("engine.kernels entry", k) for k in engine.kernels)]:
         confined(path, rel, what)
         if rel not in files:
             raise PlanError(f"plan {path} is refused: {what} {rel!r} is not among the files the "
                             "manifest checksums, so its bytes cannot be verified. Rebuild: "
-                            f"{rebuild_command(manifest, path)}")
-    unknown = [n for n in engine.get("plugins", []) if n not in KNOWN_PLUGINS]
+                            f"{rebuild_command(manifest, path)}", what)
+    unknown = [n for n in engine.plugins if n not in KNOWN_PLUGINS]
     if unknown:
         raise PlanError(f"plan {path} is refused: its engine names plugins {unknown}; this "
                         f"runtime has {', '.join(KNOWN_PLUGINS)}. Rebuild: "
-                        f"{rebuild_command(manifest, path)}")
+                        f"{rebuild_command(manifest, path)}", "engine.plugins")
 
 
-def check_files(manifest: dict, path: Path) -> None:
+def check_files(manifest: PlanManifest, path: Path) -> None:
+    """Every file is there at its size; the data files match their sha256. The code files
+    (engine, kernels) are hashed by load_step_fn as it copies them: once, on the bytes it
+    loads."""
     fix = rebuild_command(manifest, path)
-    for rel, meta in manifest["files"].items():
+    code = set(code_files(manifest.engine))
+    for rel, meta in manifest.files.items():
         f = confined(path, rel, "files entry")
         if not f.is_file():
             raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}")
         size = f.stat().st_size
-        if size != meta["size"]:
+        if size != meta.size:
             raise PlanError(f"plan {path} is corrupt: {rel} is {size} bytes, the manifest says "
-                            f"{meta['size']}. Rebuild: {fix}")
-        if sha256_file(f) != meta["sha256"]:
+                            f"{meta.size}. Rebuild: {fix}")
+        if rel not in code and sha256_file(f) != meta.sha256:
             raise PlanError(f"plan {path} is corrupt: {rel} does not match its sha256 in the "
                             f"manifest (changed after the build). Rebuild: {fix}")
 
 
-def verified_copy(plan: "Plan", rel: str, into: Path) -> Path:
+def verified_copy(path: Path, rel: str, into: Path, expected: Optional[FileEntry],
+                  fix: str) -> Path:
     """Copy a plan file into a private directory, hashing the bytes it copies; the copy is
-    what gets loaded, so a file swapped after verification is never run."""
-    src = confined(plan.path, rel, "file")
+    what gets loaded, so a file swapped or changed after the build is never run. expected:
+    the manifest's entry (None: a plan the builder is writing, not yet checksummed)."""
+    src = confined(path, rel, "file")
     dst = into / Path(rel).name
     h = hashlib.sha256()
     with open(src, "rb") as fin, open(dst, "wb") as fout:
         while block := fin.read(1 << 22):
             h.update(block)
             fout.write(block)
-    meta = plan.manifest.get("files", {}).get(rel)
-    if meta is not None and h.hexdigest() != meta["sha256"]:
-        raise PlanError(f"plan {plan.path} is corrupt: {rel} changed after it was verified. "
-                        f"Rebuild: {rebuild_command(plan.manifest, plan.path)}")
+    if expected is not None and h.hexdigest() != expected.sha256:
+        raise PlanError(f"plan {path} is corrupt: {rel} does not match its sha256 in the "
+                        f"manifest (changed after the build). Rebuild: {fix}")
     return dst
 
 
@@ -228,11 +260,8 @@ def load_plan(path: str | Path, verify_checksums: bool = True) -> Plan:
     """Read and verify a plan directory (format, target, toolchain, checksums)."""
     path = Path(path)
     manifest = read_manifest(path)
-    if manifest["format_version"] != FORMAT_VERSION:
-        raise PlanError(f"plan {path} has format version {manifest['format_version']}; this "
-                        f"runtime reads version {FORMAT_VERSION}. Rebuild it with this kiln: "
-                        f"{rebuild_command(manifest, path)}")
-    check_target(manifest, path)
+    check_target(manifest.target, path, spec_path=manifest.spec_path,
+                 pinned_isa=manifest.pinned_isa)
     check_toolchain(manifest, path)
     check_engine_entries(manifest, path)
     if verify_checksums:
@@ -244,32 +273,41 @@ StepFn = Callable[..., torch.Tensor]
 
 
 def load_step_fn(plan: Plan) -> StepFn:
-    """Load the plan's kernels, then its compiled engine; returns the step callable.
+    """Load the plan's kernels, then its compiled engine, each verified against its sha256
+    as it is copied; returns the step callable (see load_engine)."""
+    return load_engine(plan.path, plan.manifest.engine, plan.manifest.files,
+                       rebuild_command(plan.manifest, plan.path))
 
-    The callable takes the engine-step inputs of DESIGN.md in order:
-    (input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
-     logits_indices, k_caches, v_caches) -> logits [B, vocab] float32.
+
+def load_engine(path: Path, engine: EngineSection,
+                files: Optional[Mapping[str, FileEntry]] = None,
+                fix: str = "kiln build <spec> --force") -> StepFn:
+    """Load the kernels and the compiled engine an engine section names, from `path`.
+
+    files: the checksums the code must match (None: a plan the builder is writing, which runs
+    it before the manifest exists). The callable takes the engine-step inputs of DESIGN.md in
+    order: (input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
+    logits_indices, k_caches, v_caches) -> logits [B, vocab] float32.
     """
     import importlib
     import tempfile
 
     from plugins.cpp_build import load_library
 
-    engine = plan.manifest["engine"]
-    if engine["backend"] not in ("aoti", "eager"):
-        raise PlanError(f"plan {plan.path} uses engine backend {engine['backend']!r}, which "
-                        f"this runtime cannot run. Rebuild: "
-                        f"{rebuild_command(plan.manifest, plan.path)}")
-    for name in engine.get("plugins", ["paged_kv"]):  # op schemas before the engine loads
+    if engine.backend not in ("aoti", "eager"):
+        raise PlanError(f"plan {path} uses engine backend {engine.backend!r}, which this "
+                        f"runtime cannot run. Rebuild: {fix}", "engine.backend")
+    for name in engine.plugins:  # op schemas before the engine loads
         if name not in KNOWN_PLUGINS:
-            raise PlanError(f"plan {plan.path} names an unknown plugin {name!r}")
+            raise PlanError(f"plan {path} names an unknown plugin {name!r}", "engine.plugins")
         importlib.import_module(f"plugins.{name}")
+    expected = (lambda rel: files.get(rel)) if files is not None else (lambda rel: None)
     # Kernels and engine are loaded from private copies of their verified bytes.
     with tempfile.TemporaryDirectory(prefix="kiln-plan-") as private:
-        for lib in engine.get("kernels", []):
-            load_library(verified_copy(plan, lib, Path(private)))
-        f = verified_copy(plan, engine["file"], Path(private))
-        if engine["backend"] == "aoti":
+        for lib in engine.kernels:
+            load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
+        f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
+        if engine.backend == "aoti":
             runner = torch._inductor.aoti_load_package(str(f))
         else:
             runner = torch.export.load(str(f)).module()
@@ -279,15 +317,15 @@ def load_step_fn(plan: Plan) -> StepFn:
     return step
 
 
-def plan_summary(manifest: dict) -> dict[str, Any]:
+def plan_summary(manifest: PlanManifest) -> dict[str, Any]:
     """The few facts a person wants first (used by `kiln inspect` and the runtime's log)."""
     m = manifest
     return {
-        "name": m["name"],
-        "model": m["model"].get("source"),
-        "parameters": m["model"].get("num_parameters"),
-        "precision": m["precision"],
-        "target": m["target"],
-        "limits": m["limits"],
-        "fingerprint": m["fingerprint"],
+        "name": m.name,
+        "model": m.model.source,
+        "parameters": m.model.num_parameters,
+        "precision": m.precision.to_json(),
+        "target": m.target.to_json(),
+        "limits": m.limits.to_json(),
+        "fingerprint": m.fingerprint,
     }

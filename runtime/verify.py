@@ -7,7 +7,7 @@
     -> accuracy gate: runtime.accuracy.rerun_gate(plan) when the plan recorded one
 
 The runtime never imports the builder: everything comes from the plan's manifest
-(`manifest["spec"]["golden"]`, `manifest["spec"]["golden_agreement"]`, `manifest["accuracy"]`).
+(`PlanManifest.golden`, `.golden_agreement`, `.accuracy`).
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from kiln_contracts.manifest import PlanManifest
 from runtime.plan import Plan
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -34,9 +35,9 @@ def golden_key(g: dict) -> str:
     return f"{'chat' if g.get('chat') else 'text'}|{g.get('max_tokens')}|{g['prompt']}"
 
 
-def golden_prompts(manifest: dict) -> list[dict]:
-    """The spec's golden prompts, or the default smoke prompt (no expected text)."""
-    golden = list((manifest.get("spec") or {}).get("golden") or [])
+def golden_prompts(golden: list[dict]) -> list[dict]:
+    """The spec's golden prompts (PlanManifest.golden), or the default smoke prompt (no
+    expected text)."""
     if golden:
         return [{"prompt": g["prompt"], "chat": bool(g.get("chat")),
                  "max_tokens": int(g.get("max_tokens") or 16), "expected": g.get("expected")}
@@ -88,7 +89,7 @@ def verify_plan(plan: Plan, reference: Optional[dict[str, list[int]]] = None) ->
     lines = [f"plan {plan.path} ({plan.name}, fingerprint {plan.fingerprint[:16]}): "
              "loads here (format, target, toolchain, checksums)"]
     ok = True
-    outs = run_golden(plan, golden_prompts(plan.manifest))
+    outs = run_golden(plan, golden_prompts(plan.manifest.golden))
     golden_rows = []
     for i, g in enumerate(outs, 1):
         label = "default prompt" if g.get("default") else f"golden {i}/{len(outs)}"
@@ -125,8 +126,8 @@ def verify_plan(plan: Plan, reference: Optional[dict[str, list[int]]] = None) ->
                         {"golden": golden_rows, "agreement": agreement, "accuracy": accuracy})
 
 
-def _agreement(manifest: dict, outs: list[dict], reference) -> dict:
-    minimum = (manifest.get("spec") or {}).get("golden_agreement")
+def _agreement(manifest: PlanManifest, outs: list[dict], reference) -> dict:
+    minimum = manifest.golden_agreement
     if minimum is None:
         return {"ok": True, "minimum": None, "value": None,
                 "summary": "not applicable (spec sets no golden_agreement)"}
@@ -147,10 +148,10 @@ def _accuracy(plan: Plan) -> dict:
 
     Contract: `runtime.accuracy.rerun_gate(plan)` returns an object or dict with `ok`
     (bool) and optionally `summary` (str); it raises on an error it cannot judge."""
-    measured = plan.manifest.get("accuracy")
-    if measured is None:
+    if plan.manifest.accuracy is None:
         return {"ok": True, "applicable": False,
                 "summary": "not applicable (the plan has no accuracy gate)"}
+    measured = plan.manifest.accuracy.to_json()
     if importlib.util.find_spec("runtime.accuracy") is None:
         return {"ok": True, "applicable": False, "measured": measured,
                 "summary": "not re-run (runtime.accuracy is not available); measured at "

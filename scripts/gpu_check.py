@@ -131,9 +131,9 @@ def main() -> int:
             t = time.perf_counter()
             res = build(spec, work / kind, force=True, progress=Progress(enabled=False))
             entry = {"build_s": round(time.perf_counter() - t, 1),
-                     "size_bytes": sum(f["size"] for f in res.manifest["files"].values()),
-                     "accuracy": res.manifest.get("accuracy"),
-                     "check": res.manifest.get("check")}
+                     "size_bytes": res.manifest.total_bytes,
+                     "accuracy": res.manifest.to_json()["accuracy"],
+                     "check": res.manifest.to_json()["check"]}
             entry["parity"] = parity(res.path, hf)
             ok &= entry["parity"]["ok"]
             if kind == "bf16":

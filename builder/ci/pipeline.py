@@ -141,8 +141,8 @@ def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) ->
         res = build(spec_path, Path(staging) / "plan", force=True,
                     progress=Progress(enabled=False))
         out.update(fingerprint=res.fingerprint, build_seconds=res.seconds,
-                   plan_bytes=sum(m["size"] for m in res.manifest["files"].values()),
-                   measured_accuracy=res.manifest.get("accuracy"))
+                   plan_bytes=res.manifest.total_bytes,
+                   measured_accuracy=res.manifest.to_json()["accuracy"])
     except Exception as e:
         out["error"] = _message(e)
         return out
@@ -252,10 +252,10 @@ def _toolchain() -> dict:
     """kiln and torch versions without importing torch (package metadata)."""
     from importlib import metadata
 
-    import kiln
+    from kiln_contracts import KILN_VERSION
 
     try:
         torch_version = metadata.version("torch")
     except metadata.PackageNotFoundError:
         torch_version = None
-    return {"kiln": kiln.__version__, "torch": torch_version}
+    return {"kiln": KILN_VERSION, "torch": torch_version}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-MANIFEST = "plan.json"
+from kiln_contracts import MANIFEST_FILE as MANIFEST
 
 
 class StoreError(RuntimeError):
@@ -77,6 +77,10 @@ class PlanStore:
         return self.plans / fp
 
     def manifest(self, fp: str) -> Optional[dict]:
+        """A stored plan's plan.json as plain JSON. The store keeps plans of every format
+        version (plans outlive the kiln that built them), so it reads only their
+        version-independent keys (name, fingerprint, created_at, files, fingerprint_inputs,
+        spec); a plan of this kiln's version is read typed by runtime/plan.read_manifest."""
         return _read_json(self.plan_dir(fp) / MANIFEST)
 
     def has(self, fp: str) -> bool:

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from tritonclient.grpc import service_pb2 as kserve_pb2
 from tritonclient.grpc import service_pb2_grpc as kserve_pb2_grpc
 
+from kiln_contracts.manifest import PlanManifest
 from runtime.engine import Engine, EngineConfig
 from runtime.plan import Plan, load_plan, read_manifest
 from runtime.server.frontend import Frontend, State
@@ -72,7 +73,7 @@ class ServeConfig:
                 if getattr(self, k) is not None}
 
 
-def check_config(cfg: ServeConfig) -> tuple[dict, str]:
+def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
     """Validate settings against the manifest before anything binds -> (manifest, model
     name). Raises ServeError."""
     from runtime.plan import PlanError
@@ -81,8 +82,8 @@ def check_config(cfg: ServeConfig) -> tuple[dict, str]:
     except PlanError as e:
         raise ServeError(str(e))
     overrides = cfg.overrides()
-    planned_queue = (manifest.get("scheduler") or {}).get("max_queue")
-    if cfg.max_queue is not None and planned_queue is not None and cfg.max_queue > planned_queue:
+    planned_queue = manifest.scheduler.max_queue
+    if cfg.max_queue is not None and cfg.max_queue > planned_queue:
         raise ServeError(f"--max-queue {cfg.max_queue} exceeds the plan's scheduler.max_queue "
                          f"({planned_queue}): limits may be lowered at start, never raised")
     for k, v in overrides.items():
@@ -96,7 +97,7 @@ def check_config(cfg: ServeConfig) -> tuple[dict, str]:
         raise ServeError("TLS needs both --tls-cert and --tls-key")
     if cfg.metrics_auth and not cfg.auth_token:
         raise ServeError("--metrics-auth needs --auth-token or --auth-token-file")
-    return manifest, cfg.model_name or manifest["name"]
+    return manifest, cfg.model_name or manifest.name
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):

@@ -30,7 +30,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-import kiln
+from kiln_contracts import KILN_VERSION
 from runtime.engine import RequestOutput
 from runtime.guided import GuidedDecoding
 from runtime.sampling import SamplingParams
@@ -225,7 +225,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.fe.ready)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="kiln", version=kiln.__version__,
+        return pb.ServerMetadataResponse(name="kiln", version=KILN_VERSION,
                                          extensions=["model_configuration", "statistics"])
 
     def _model(self, name: str, version: str = "") -> None:

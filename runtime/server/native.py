@@ -124,6 +124,6 @@ class NativeService(pb_grpc.KilnServicer):
                   "max_seq_len": c.max_seq_len, "max_input_len": c.input_len,
                   "max_queue": c.max_queue}
         return pb.ModelInfo(name=self.fe.model_name, fingerprint=plan.fingerprint,
-                            manifest_json=json.dumps(plan.manifest, sort_keys=True),
+                            manifest_json=json.dumps(plan.manifest.to_json(), sort_keys=True),
                             limits_json=json.dumps(limits, sort_keys=True),
                             has_chat_template=bool(engine.tokenizer.chat_template))

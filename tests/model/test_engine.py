@@ -1,5 +1,6 @@
 """The engine end to end on a tiny random Llama through the real paged_attention op."""
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -7,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from kiln_contracts.manifest import LimitsSection, SchedulerSection
 from plugins.inflight_batching import RequestRefused
 from runtime.engine import EngineConfig, QueueFullError
-from runtime.plan import Plan
+from runtime.plan import Plan, read_manifest
 from runtime.sampling import SamplingParams
 from tests.runtime_helpers import tiny_engine, tiny_model
 
@@ -217,13 +219,15 @@ def test_refusals_and_queue_full(model):
     eng.shutdown()
 
 
-def test_limits_lowered_never_raised(tmp_path):
-    plan = Plan(Path(tmp_path), {
-        "limits": {"max_batch_size": 8, "max_seq_len": 512, "max_input_len": None,
-                   "max_num_tokens": 128},
-        "kv_cache": {"tokens_per_block": 16},
-        "scheduler": {"policy": "guaranteed_no_evict", "chunked_prefill": True,
-                      "prefix_caching": True, "max_queue": 64}})
+def test_limits_lowered_never_raised(tiny_plan, tmp_path):
+    manifest = read_manifest(tiny_plan)
+    assert manifest.kv_cache.tokens_per_block == 16
+    plan = Plan(Path(tmp_path), dataclasses.replace(
+        manifest,
+        limits=LimitsSection(max_batch_size=8, max_seq_len=512, max_input_len=511,
+                             max_num_tokens=128),
+        scheduler=SchedulerSection(policy="guaranteed_no_evict", chunked_prefill=True,
+                                   prefix_caching=True, max_queue=64)))
     cfg = EngineConfig.from_plan(plan, max_batch_size=4, max_seq_len=256)
     assert (cfg.max_batch_size, cfg.max_seq_len, cfg.input_len) == (4, 256, 255)
     assert cfg.policy == "guaranteed_no_evict"

@@ -182,7 +182,7 @@ def test_quantized_kv_pool_holds_more_and_batches_like_alone(kv_plans, name):
     with Engine.from_plan(plan) as eng:
         pool = eng.executor.k_caches[0]
         assert pool.dtype == kv_format.storage_dtype(KV_PLANS[name]["kv_cache"])
-        assert pool.shape[-1] == plan.model_config["head_dim"] + 4
+        assert pool.shape[-1] == plan.shape.head_dim + 4
         per_block = eng.executor.layout.bytes_per_block     # 2 layers x 2 kv heads, D 16
         assert per_block == 16 * 2 * 2 * 2 * (16 + 4)       # K+V rows: 16 codes + a scale
         assert per_block / (16 * kv_format.bytes_per_token("bf16", 2, 2, 16)) == 20 / 32

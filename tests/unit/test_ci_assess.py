@@ -54,7 +54,7 @@ def test_token_agreement_and_golden_keys():
     assert token_agreement([[1, 2]], [[1, 2, 3, 4]]) == 0.5        # a shorter output counts
     assert token_agreement([], []) == 1.0
     manifest = {"spec": {"golden": [{"prompt": "hi", "chat": True, "max_tokens": 3}]}}
-    g = golden_prompts(manifest)
+    g = golden_prompts(manifest["spec"]["golden"])
     assert g == [{"prompt": "hi", "chat": True, "max_tokens": 3, "expected": None}]
     assert golden_key(g[0]) == "chat|3|hi"
-    assert golden_prompts({"spec": {"golden": []}})[0].get("default") is True
+    assert golden_prompts([])[0].get("default") is True

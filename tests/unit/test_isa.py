@@ -9,7 +9,8 @@ import shutil
 import pytest
 
 from plugins import isa
-from runtime.plan import PlanError, check_target
+from kiln_contracts.manifest import TargetSection
+from runtime.plan import PlanError, check_target as check_plan_target
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("c++"),
@@ -36,6 +37,12 @@ CPUS = {  # name -> (/proc/cpuinfo flags, the level it runs best)
 
 def cpuinfo(name: str) -> set[str]:
     return isa.cpu_flags(f"processor\t: 0\nflags\t\t: {CPUS[name][0]}\n")
+
+
+def check_target(m: dict, path: str, machine: dict) -> None:
+    """runtime.plan.check_target on the target (and spec) of a partial manifest."""
+    check_plan_target(TargetSection.from_json(m["target"], "target"), path, machine,
+                      spec_path=m["spec_path"], pinned_isa=m["spec"]["target"]["isa"])
 
 
 def manifest_for(level: str) -> dict:

@@ -1,0 +1,354 @@
+"""The plan manifest (`plan.json`): one typed, versioned contract between builder and runtime.
+
+    spec (YAML) --builder/build.py--> PlanManifest --to_json--> plan.json
+    plan.json --runtime/plan.read_manifest--> PlanManifest.from_json --> runtime
+
+One writer (builder/build.py `_build_into` builds it; the engine section once, before the
+build runs the compiled step) and one reader (runtime/plan.py `read_manifest`). The JSON on
+disk is the dict `to_json` returns; `from_json(d).to_json() == d` for every manifest kiln
+writes. `from_json` validates every field and raises ManifestError naming the bad one
+(`limits.max_seq_len`, `files["engine.pt2"].sha256`).
+
+Torch-free, stdlib only: the builder's quick up-to-date check and `kiln inspect` read it
+without importing torch.
+
+Three sections stay open dicts because their schema lives with their writer: `spec` (the
+resolved spec, builder/spec.py `Spec.canonical()`), `model.config` (the architecture's
+config, builder/arch `LlamaConfig.to_dict()`; ModelSection.shape is its typed view) and
+`precision.quantization` (the quantizer's report).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Union, get_args, get_origin, get_type_hints
+
+from kiln_contracts import PLAN_FORMAT_VERSION
+
+
+class ManifestError(ValueError):
+    """A manifest field that is missing, unknown or of the wrong type.
+
+    field: its path in plan.json (`engine.kernels[0]`); problem: what is wrong with it."""
+
+    def __init__(self, field: str, problem: str):
+        self.field, self.problem = field, problem
+        super().__init__(f"{field}: {problem}")
+
+
+# ---- generic (de)serialization of the frozen sections ---------------------------------------
+
+def _type_name(hint) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _from_json(hint, value, path: str):
+    """`value` (from JSON) checked against `hint` and converted (lists -> tuples, objects ->
+    sections); ManifestError naming `path` otherwise."""
+    if hint is Any:
+        return value
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Union:
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        for option in options:
+            try:
+                return _from_json(option, value, path)
+            except ManifestError:
+                if len(options) == 1:
+                    raise
+        raise ManifestError(path, f"expected {' or '.join(map(_type_name, options))}, got "
+                                  f"{type(value).__name__} {value!r:.60}")
+    if isinstance(hint, type) and issubclass(hint, _Section):
+        return hint._from_dict(value, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ManifestError(path, f"expected a list, got {type(value).__name__}")
+        return tuple(_from_json(args[0], v, f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ManifestError(path, f"expected an object, got {type(value).__name__}")
+        if origin is None:
+            return value
+        return {k: _from_json(args[1], v, f'{path}["{k}"]') for k, v in value.items()}
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ManifestError(path, f"expected {_type_name(hint)}, got {type(value).__name__} "
+                                  f"{value!r:.60}")
+    return value
+
+
+def _to_json(value):
+    if isinstance(value, _Section):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
+    return value
+
+
+class _Section:
+    """A frozen dataclass that reads itself from a JSON object, field by field."""
+
+    @classmethod
+    def from_json(cls, d, path: str = ""):
+        """The section from its JSON object (path: where it sits, for ManifestError)."""
+        return cls._from_dict(d, path)
+
+    @classmethod
+    def _from_dict(cls, d, path: str):
+        if not isinstance(d, dict):
+            raise ManifestError(path or "plan.json", f"expected an object, got "
+                                                     f"{type(d).__name__}")
+        hints = get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            where = f"{path}.{unknown[0]}" if path else unknown[0]
+            raise ManifestError(where, f"unknown field; {cls.__name__} has "
+                                       f"{', '.join(names)}")
+        values = {}
+        for f in dataclasses.fields(cls):
+            where = f"{path}.{f.name}" if path else f.name
+            if f.name not in d:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise ManifestError(where, "missing")
+                continue
+            values[f.name] = _from_json(hints[f.name], d[f.name], where)
+        obj = cls(**values)
+        obj._validate(path)
+        return obj
+
+    def _validate(self, path: str) -> None:
+        """Checks across fields (after every field has its type)."""
+
+    def to_json(self) -> dict:
+        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+# ---- the sections -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class FileEntry(_Section):
+    """files[rel]: one file of the plan directory, as built."""
+    size: int          # bytes
+    sha256: str        # hex digest of its bytes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The typed view of model.config the runtime sizes its KV pools and logits with."""
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    """model: what was compiled."""
+    family: str                    # llama | mistral | qwen2
+    config: dict                   # builder/arch LlamaConfig.to_dict(); typed view: .shape
+    num_parameters: int
+    source: str                    # for a person: "random seed 0", a path, a GGUF
+    source_path: Optional[str]     # the checkpoint on the build machine (None: random)
+    weights_digest: str            # sha256 over the source weights (a fingerprint input)
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(**{f.name: self.config[f.name]
+                             for f in dataclasses.fields(ModelShape)})
+
+    def _validate(self, path: str) -> None:
+        for f in dataclasses.fields(ModelShape):
+            _from_json(int, self.config.get(f.name), f"{path}.config.{f.name}")
+
+
+@dataclass(frozen=True)
+class TargetSection(_Section):
+    """target: the machine the compiled code is for (the runtime refuses others)."""
+    device: str                              # cpu | a GPU name
+    arch: str                                # platform.machine() of the build: x86_64 ...
+    isa: str                                 # kiln ISA level (plugins/isa.py); GPU: "none"
+    isa_flags: tuple[str, ...] = ()          # compiler flags of that level
+    cpu_features: Optional[tuple[str, ...]] = None   # CPU features the code needs
+    compute_capability: Optional[str] = None         # sm_90 ... (GPU targets)
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.device != "cpu"
+
+
+@dataclass(frozen=True)
+class ToolchainSection(_Section):
+    """toolchain: what built the plan (compiled engines run only on the torch they were
+    built with)."""
+    kiln: str
+    torch: str
+    python: str
+
+
+@dataclass(frozen=True)
+class PrecisionSection(_Section):
+    """precision: the dtypes the plan computes in."""
+    weights: str          # fp32 | bf16 | fp16 | fp8 | int8 | int4
+    kv_cache: str         # the KV pool dtype (plugins/paged_kv/kv_format)
+    activations: str
+    quantization: dict    # the quantizer's report (builder/quantize.py quantize_model)
+
+
+@dataclass(frozen=True)
+class LimitsSection(_Section):
+    """limits: what the engine was compiled for; lowered at load, never raised."""
+    max_batch_size: int   # sequences per step
+    max_seq_len: int      # prompt + output tokens of one sequence
+    max_input_len: int    # prompt tokens
+    max_num_tokens: int   # tokens per step (the chunked-prefill budget)
+
+    def _validate(self, path: str) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) < 1:
+                raise ManifestError(f"{path}.{f.name}", f"{getattr(self, f.name)} is below 1")
+        if self.max_input_len >= self.max_seq_len:
+            raise ManifestError(f"{path}.max_input_len", f"{self.max_input_len} leaves no room "
+                                f"for an output token in max_seq_len {self.max_seq_len}")
+
+
+@dataclass(frozen=True)
+class KVCacheSection(_Section):
+    """kv_cache: the paged KV pool's layout and the memory it may take at load."""
+    tokens_per_block: int
+    dtype: str
+    memory: Union[int, float, str]      # as the spec wrote it
+    budget_bytes: Optional[int]         # one of these two is set
+    budget_fraction: Optional[float]    # of the memory available at load
+
+    def _validate(self, path: str) -> None:
+        if (self.budget_bytes is None) == (self.budget_fraction is None):
+            raise ManifestError(f"{path}.budget_bytes", "exactly one of budget_bytes and "
+                                "budget_fraction must be set")
+
+
+@dataclass(frozen=True)
+class SchedulerSection(_Section):
+    """scheduler: the in-flight batching settings (plugins/inflight_batching SchedulerConfig)."""
+    policy: str            # guaranteed_no_evict | max_utilization
+    chunked_prefill: bool
+    prefix_caching: bool
+    max_queue: int         # bound of the waiting queue
+
+
+@dataclass(frozen=True)
+class EngineSection(_Section):
+    """engine: the compiled step and what must be loaded before it."""
+    backend: str                          # aoti | eager
+    file: str                             # the engine, relative to the plan directory
+    kernels: tuple[str, ...] = ()         # the plugins' libraries, loaded before the engine
+    plugins: tuple[str, ...] = ("paged_kv",)   # whose ops the engine calls
+    kernel_paths: dict[str, str] = field(default_factory=dict)  # library -> its code path
+    inputs: tuple[str, ...] = ()          # the engine-step inputs, in order (DESIGN.md)
+
+
+@dataclass(frozen=True)
+class CheckSection(_Section):
+    """check: the compiled step against the eager model at build time."""
+    max_logit_diff: float
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class AccuracyRecord(_Section):
+    """accuracy: the build's accuracy gate (builder/accuracy.py Gate.run), which `kiln verify`
+    re-runs (runtime/accuracy.py rerun_gate) against the same tokens and reference."""
+    ppl: float                 # the compiled plan's perplexity on the evaluation tokens
+    ref_ppl: float             # the unquantized eager model's
+    ppl_increase: float        # ppl / ref_ppl - 1
+    max_ppl_increase: float    # the spec's limit
+    top1_agreement: float      # fraction of positions whose argmax matches the reference's
+    tokens: int                # positions scored
+    passed: bool               # ppl_increase <= max_ppl_increase
+    text: str                  # the evaluation text's name (runtime/accuracy.py eval_text)
+    text_sha256: str
+    eval_tokens: int           # tokens taken from it
+    ids_sha256: str
+    window: int                # tokens per evaluation window
+    method: str
+    reference: str
+    reference_top1: str        # the reference's top-1 predictions, a file of the plan
+    reference_cached: bool
+
+
+@dataclass(frozen=True)
+class PlanManifest(_Section):
+    """plan.json: everything the runtime needs to know about a plan, nothing it must guess."""
+    format_version: int
+    name: str
+    fingerprint: str                 # same fingerprint = same plan (builder/fingerprint.py)
+    fingerprint_inputs: dict         # what the fingerprint hashed (kiln ci diffs it)
+    quick_key: Optional[str]         # builder/uptodate.py: the torch-free up-to-date check
+    created_at: str                  # UTC, ISO 8601
+    spec_path: Optional[str]         # the spec it was built from (for rebuild commands)
+    spec: dict                       # the resolved spec (builder/spec.py Spec.canonical())
+    model: ModelSection
+    target: TargetSection
+    toolchain: ToolchainSection
+    precision: PrecisionSection
+    limits: LimitsSection
+    kv_cache: KVCacheSection
+    scheduler: SchedulerSection
+    engine: EngineSection
+    check: Optional[CheckSection]
+    accuracy: Optional[AccuracyRecord]   # the accuracy gate's record (quantized plans)
+    files: dict[str, FileEntry]      # every other file of the plan: size and sha256
+
+    VERSION: ClassVar[int] = PLAN_FORMAT_VERSION
+
+    @classmethod
+    def from_json(cls, data: Any) -> "PlanManifest":
+        """A manifest from plan.json's parsed JSON; ManifestError names the first bad field.
+        A manifest of another format version is refused by its version alone."""
+        if not isinstance(data, dict):
+            raise ManifestError("plan.json", f"expected an object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != PLAN_FORMAT_VERSION:
+            raise ManifestError("format_version", f"{version!r}; this kiln reads version "
+                                                  f"{PLAN_FORMAT_VERSION}")
+        return cls._from_dict(data, "")
+
+    @classmethod
+    def loads(cls, text: str) -> "PlanManifest":
+        return cls.from_json(json.loads(text))
+
+    def dumps(self) -> str:
+        """plan.json's text."""
+        return json.dumps(self.to_json(), indent=2, sort_keys=True)
+
+    # -- facts read from the recorded spec (its schema is builder/spec.py's) --
+    @property
+    def pinned_isa(self) -> str:
+        """The spec's target.isa: a level name, or "auto" (resolved at build)."""
+        return (self.spec.get("target") or {}).get("isa", "auto")
+
+    @property
+    def golden(self) -> list[dict]:
+        """The spec's golden prompts (prompt, chat, max_tokens, expected)."""
+        return list(self.spec.get("golden") or [])
+
+    @property
+    def golden_agreement(self) -> Optional[float]:
+        """The spec's minimum token agreement with the previous plan, if any."""
+        return self.spec.get("golden_agreement")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())

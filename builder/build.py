@@ -20,7 +20,7 @@ from pathlib import Path
 from builder.progress import Progress
 from builder.spec import Spec, SpecError, load_spec, parse_memory
 from builder.uptodate import quick_key, quick_up_to_date
-from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
+from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
 from kiln_contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
                                      KVCacheSection, LimitsSection, ModelSection, PlanManifest,
                                      PrecisionSection, SchedulerSection, TargetSection,
@@ -295,10 +295,8 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
         info = quantize_model(model, p.weights, group_size=p.group_size,
                               keep_high_precision=keep, calibration=calibration,
                               activations="int8" if p.activations == "int8" else "float")
-    except ValueError as e:
-        path = ("precision.group_size" if "group_size" in str(e) else
-                "precision.keep_high_precision" if "keep_high_precision" in str(e)
-                else "precision.weights")
+    except ValueError as e:   # FieldError: the quantize_model argument = the precision field
+        path = f"precision.{e.field}" if isinstance(e, FieldError) else "precision.weights"
         raise SpecError(spec.name, [(path, str(e))]) from None
     info["group_size_source"] = ("spec" if p.group_size is not None else
                                  "auto" if p.weights == "int4" else None)

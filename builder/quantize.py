@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from kiln_contracts import FieldError
 from plugins.quant import formats
 from plugins.quant.modules import QuantEmbedding, QuantLinear
 
@@ -54,13 +55,14 @@ def _resolve_group_size(group_size: Optional[int], linears: dict[str, nn.Linear]
             try:
                 formats.check_group_size(m.in_features, group_size)
             except ValueError as e:
-                raise ValueError(f"{name}: {e}") from None
+                raise FieldError("group_size", f"{name}: {e}", f"{name}: {e}") from None
         return group_size
     for g in sorted(formats.GROUP_SIZES, reverse=True):
         if all(k % g == 0 for k in ks):
             return g
-    raise ValueError(f"no int4 group_size in {formats.GROUP_SIZES} divides every linear's "
-                     f"input dim {sorted(ks)}")
+    message = (f"no int4 group_size in {formats.GROUP_SIZES} divides every linear's "
+               f"input dim {sorted(ks)}")
+    raise FieldError("group_size", message, message)
 
 
 def collect_inputs(model: nn.Module, linears: dict[str, nn.Linear],
@@ -152,18 +154,19 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     linear name -> its inputs [rows, K]; enables the AWQ-style scale search. activations
     "int8": with int8 weights every quantized linear, the lm_head included, runs W8A8; with
     int4 weights the linears run W4A8 (formats "int4_a8", group 32) and a tied lm_head W8A8
-    on the embedding's int8 table.
+    on the embedding's int8 table. A bad argument raises FieldError naming it (`group_size`).
     """
     if weights not in formats.SCHEMES:
-        raise ValueError(f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
+        raise FieldError("weights", f"{weights!r}: allowed: {formats.SCHEMES}",
+                         f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
     keep = tuple(keep_high_precision)
     if group_size is not None and weights != "int4":
-        raise ValueError(f"group_size applies to int4 only (weights={weights!r})")
+        raise FieldError("group_size", f"applies to int4 only (weights={weights!r})")
     linears = _targets(model, keep)
     names = [n for n, _ in model.named_modules()]
     for k in keep:
         if k not in (EMBED, LM_HEAD) and not any(_kept(n, (k,)) for n in names):
-            raise ValueError(f"keep_high_precision entry {k!r} matches no module")
+            raise FieldError("keep_high_precision", f"entry {k!r} matches no module")
     head = None
     if LM_HEAD not in keep:
         out = getattr(model, "output", None)

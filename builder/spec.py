@@ -14,6 +14,8 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kiln_contracts import default_input_len
+
 WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
 KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
 # Weight precisions this build of Kiln knows how to build; the rest are rejected with a
@@ -186,7 +188,8 @@ class LimitsSection(_Strict):
 
     @property
     def input_len(self) -> int:
-        return self.max_input_len if self.max_input_len is not None else self.max_seq_len - 1
+        return (self.max_input_len if self.max_input_len is not None
+                else default_input_len(self.max_seq_len))
 
 
 class KVCacheSection(_Strict):

@@ -166,6 +166,7 @@ def serve(
     from runtime.compute import claim_process
 
     threads = claim_process(threads)   # before torch is imported
+    from kiln_contracts import FieldError
     from runtime.server.app import ServeConfig, ServeError, run
     from runtime.server.limits import RequestLimits
 
@@ -186,8 +187,8 @@ def serve(
             max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,
             max_stop=max_stop, max_bad_words=max_bad_words, max_prompts=max_prompts,
             max_messages=max_messages, max_stream_requests=max_stream_requests))
-    except ValueError as e:
-        _fail(f"--{str(e).replace('_', '-')}", 2)
+    except FieldError as e:
+        _fail(f"--{e.field.replace('_', '-')} {e.problem}", 2)
     try:
         code = run(cfg)
     except ServeError as e:

@@ -19,6 +19,19 @@ PLAN_FORMAT_VERSION = 3
 MANIFEST_FILE = "plan.json"
 
 
+class FieldError(ValueError):
+    """A bad value of one named setting, the setting carried as data.
+
+    field: its name or path (`max_queue`, `precision.group_size`, `temperature`); problem:
+    what is wrong, without the name, so a caller can report it in its own terms (a CLI flag,
+    a spec path, an API input) without parsing the message. str(e): `message`, by default
+    "<field> <problem>"."""
+
+    def __init__(self, field: str, problem: str, message: str | None = None):
+        self.field, self.problem = field, problem
+        super().__init__(message or f"{field} {problem}")
+
+
 def default_input_len(max_seq_len: int) -> int:
     """Prompt tokens allowed when a spec or config sets no max_input_len: room for one
     output token."""

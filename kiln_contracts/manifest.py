@@ -24,17 +24,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union, get_args, get_origin, get_type_hints
 
-from kiln_contracts import PLAN_FORMAT_VERSION
+from kiln_contracts import PLAN_FORMAT_VERSION, FieldError
 
 
-class ManifestError(ValueError):
+class ManifestError(FieldError):
     """A manifest field that is missing, unknown or of the wrong type.
 
     field: its path in plan.json (`engine.kernels[0]`); problem: what is wrong with it."""
 
     def __init__(self, field: str, problem: str):
-        self.field, self.problem = field, problem
-        super().__init__(f"{field}: {problem}")
+        super().__init__(field, problem, f"{field}: {problem}")
 
 
 # ---- generic (de)serialization of the frozen sections ---------------------------------------

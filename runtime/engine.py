@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence as Seq, Union
 
 from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
                                        SchedulerOutput, Sequence, SequenceStatus, StepOutput)
-from kiln_contracts import default_input_len
+from kiln_contracts import FieldError, default_input_len
 from runtime.compute import enter_engine_thread
 from runtime.executor import Executor
 from runtime.guided import GrammarCache
@@ -55,28 +55,36 @@ class EngineConfig(SchedulerConfig):
 
     @classmethod
     def from_plan(cls, plan: Plan, **overrides) -> "EngineConfig":
-        """The plan's limits and scheduler section; limits may be lowered, never raised."""
+        """The plan's limits and scheduler section; limits (and the queue bound) may be
+        lowered, never raised. FieldError names the setting; the values are then checked once,
+        by SchedulerConfig."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(overrides) - names)
         if unknown:
-            raise ValueError(f"unknown engine setting {unknown[0]!r}; settings: "
+            raise FieldError(unknown[0], "is not an engine setting",
+                             f"unknown engine setting {unknown[0]!r}; settings: "
                              f"{', '.join(sorted(names))}")
-        lim = plan.limits
-        planned = {"max_batch_size": lim.max_batch_size, "max_num_tokens": lim.max_num_tokens,
-                   "max_seq_len": lim.max_seq_len, "max_input_len": lim.max_input_len}
-        values = dict(planned)
+        lim, scheduler = plan.limits, plan.manifest.scheduler
+        values = dataclasses.asdict(lim)
         values["tokens_per_block"] = plan.manifest.kv_cache.tokens_per_block
-        values.update(dataclasses.asdict(plan.manifest.scheduler))
+        values.update(dataclasses.asdict(scheduler))
+        # the manifest field each ceiling comes from
+        planned = {k: f"limits.{k}" for k in dataclasses.asdict(lim)}
+        planned["max_queue"] = "scheduler.max_queue"
         for k, v in overrides.items():
             if v is None:
                 continue
-            if k in planned and v > planned[k]:
-                raise ValueError(f"{k}={v} exceeds the plan's {k} ({planned[k]}): limits may "
-                                 f"be lowered at load, never raised. Rebuild the plan with a "
-                                 f"higher limits.{k}")
+            if k in planned and v > values[k]:
+                problem = (f"{v} exceeds the plan's {planned[k]} ({values[k]}): limits may be "
+                           f"lowered at load, never raised. Rebuild the plan with a higher "
+                           f"{planned[k]}")
+                raise FieldError(k, problem, f"{k}={v} exceeds the plan's {k} ({values[k]}): "
+                                 f"limits may be lowered at load, never raised. Rebuild the "
+                                 f"plan with a higher {planned[k]}")
             if k == "tokens_per_block" and v != values[k]:
-                raise ValueError(f"tokens_per_block={v}: the plan's KV layout has "
-                                 f"{values[k]}; it is fixed at build time")
+                raise FieldError(k, f"{v}: the plan's KV layout has {values[k]}; it is fixed "
+                                 "at build time", f"tokens_per_block={v}: the plan's KV layout "
+                                 f"has {values[k]}; it is fixed at build time")
             values[k] = v
         if "max_input_len" not in overrides:   # follows a lowered max_seq_len
             values["max_input_len"] = min(values["max_input_len"],

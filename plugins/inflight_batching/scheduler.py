@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence as Seq
 
+from kiln_contracts import FieldError, default_input_len
 from plugins.paged_kv.block_pool import BlockPool
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
@@ -52,19 +53,24 @@ class SchedulerConfig:
     max_queue: int = 1024             # bound of the waiting queue
 
     def __post_init__(self):
+        """The one check of the engine's limits (FieldError names the setting)."""
         if self.policy not in POLICIES:
-            raise ValueError(f"policy {self.policy!r} is not known; allowed: {', '.join(POLICIES)}")
+            raise FieldError("policy", f"{self.policy!r} is not known; allowed: "
+                             f"{', '.join(POLICIES)}",
+                             f"policy {self.policy!r} is not known; allowed: {', '.join(POLICIES)}")
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block",
                      "max_queue"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1 (got {getattr(self, name)})")
+                raise FieldError(name, f"must be >= 1 (got {getattr(self, name)})")
         if self.max_input_len is not None and not 1 <= self.max_input_len < self.max_seq_len:
-            raise ValueError(f"max_input_len ({self.max_input_len}) must be in [1, max_seq_len "
-                             f"({self.max_seq_len})): a request needs room for one output token")
+            problem = (f"({self.max_input_len}) must be in [1, max_seq_len ({self.max_seq_len})): "
+                       "a request needs room for one output token")
+            raise FieldError("max_input_len", problem)
 
     @property
     def input_len(self) -> int:
-        return self.max_input_len if self.max_input_len is not None else self.max_seq_len - 1
+        return (self.max_input_len if self.max_input_len is not None
+                else default_input_len(self.max_seq_len))
 
 
 class SequenceStatus(enum.Enum):

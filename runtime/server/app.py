@@ -13,7 +13,6 @@ requests were cancelled; 4 forced by a second signal; 5 the engine had failed.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import time
@@ -27,9 +26,12 @@ from grpc_reflection.v1alpha import reflection
 from tritonclient.grpc import service_pb2 as kserve_pb2
 from tritonclient.grpc import service_pb2_grpc as kserve_pb2_grpc
 
+from kiln_contracts import FieldError
 from kiln_contracts.manifest import PlanManifest
 from runtime.engine import Engine, EngineConfig
 from runtime.plan import Plan, load_plan, read_manifest
+from runtime.server.auth import BearerToken
+from runtime.server.errors import ServeError
 from runtime.server.frontend import Frontend, State
 from runtime.server.kserve import KServeService
 from runtime.server.limits import RequestLimits
@@ -42,10 +44,6 @@ KSERVE = kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_nam
 NATIVE = kiln_pb2.DESCRIPTOR.services_by_name["Kiln"].full_name
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)   # callable without the bearer token
 EXIT_OK, EXIT_CANCELLED, EXIT_FORCED, EXIT_ENGINE_FAILED = 0, 3, 4, 5
-
-
-class ServeError(RuntimeError):
-    """A setting or plan the server cannot start with; the message is for a person."""
 
 
 @dataclass(frozen=True)
@@ -81,18 +79,10 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
         manifest = read_manifest(cfg.plan)
     except PlanError as e:
         raise ServeError(str(e))
-    overrides = cfg.overrides()
-    planned_queue = manifest.scheduler.max_queue
-    if cfg.max_queue is not None and cfg.max_queue > planned_queue:
-        raise ServeError(f"--max-queue {cfg.max_queue} exceeds the plan's scheduler.max_queue "
-                         f"({planned_queue}): limits may be lowered at start, never raised")
-    for k, v in overrides.items():
-        if v < 1:
-            raise ServeError(f"--{k.replace('_', '-')} must be >= 1 (got {v})")
-    try:
-        EngineConfig.from_plan(Plan(Path(cfg.plan), manifest), **overrides)
-    except ValueError as e:
-        raise ServeError(str(e))
+    try:   # the limits are checked where the engine takes them, reported as flags here
+        EngineConfig.from_plan(Plan(Path(cfg.plan), manifest), **cfg.overrides())
+    except FieldError as e:
+        raise ServeError(f"--{e.field.replace('_', '-')} {e.problem}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ServeError("TLS needs both --tls-cert and --tls-key")
     if cfg.metrics_auth and not cfg.auth_token:
@@ -104,14 +94,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Bearer-token check (metadata `authorization: Bearer TOKEN`); health stays open."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
+        self._token = BearerToken(token)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_PREFIXES):
             return handler
-        got = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._expected):
+        if self._token.accepts(dict(details.invocation_metadata or ()).get("authorization")):
             return handler
         return _refusing(handler)
 

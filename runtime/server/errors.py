@@ -12,6 +12,10 @@ from plugins.inflight_batching import RequestRefused
 from runtime.engine import EngineError, QueueFullError
 
 
+class ServeError(RuntimeError):
+    """A setting or plan the server cannot start with; the message is for a person."""
+
+
 class ServiceError(Exception):
     """A request the server refuses; `code` is its gRPC status, the message its reason."""
 

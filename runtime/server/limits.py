@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sized
 
+from kiln_contracts import FieldError
 from runtime.sampling import SamplingParams
 from runtime.server.errors import invalid
 
@@ -36,7 +37,7 @@ class RequestLimits:
     def __post_init__(self):
         for name, value in vars(self).items():
             if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1 (got {value})")
+                raise FieldError(name, f"must be >= 1 (got {value})")
 
     def prompt_bytes(self, max_input_len: int) -> int:
         return self.max_prompt_bytes or max(MiB, 64 * max_input_len)

@@ -6,7 +6,6 @@ Request-level series are recorded by the Frontend as requests end; engine-level 
 """
 from __future__ import annotations
 
-import hmac
 import threading
 from typing import Callable, Optional
 
@@ -14,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from runtime.engine import Engine, RequestOutput
+from runtime.server.auth import BearerToken
 
 # Latency buckets (seconds): sub-millisecond CPU decode steps up to minute-long requests.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -102,11 +102,10 @@ class Metrics:
         from wsgiref.simple_server import make_server
         from prometheus_client.exposition import (ThreadingWSGIServer, _SilentHandler,
                                                   make_wsgi_app)
-        app, expected = make_wsgi_app(self.registry), f"Bearer {auth_token}".encode()
+        app, token = make_wsgi_app(self.registry), BearerToken(auth_token)
 
         def guarded(environ, start_response):
-            got = environ.get("HTTP_AUTHORIZATION", "").encode()
-            if hmac.compare_digest(got, expected):
+            if token.accepts(environ.get("HTTP_AUTHORIZATION")):
                 return app(environ, start_response)
             start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"),
                                                 ("Content-Type", "text/plain")])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import socket
@@ -28,7 +27,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime.engine import RequestOutput
-from runtime.server.errors import ServiceError
+from runtime.server.auth import BearerToken
+from runtime.server.errors import ServeError, ServiceError
 from runtime.server.frontend import Frontend
 from runtime.server.limits import RequestLimits
 from runtime.server.openai_protocol import (FINISH, ChoiceState, Job, OpenAIError, chunk_json,
@@ -171,7 +171,7 @@ class OpenAIApp:
 
     def __init__(self, fe: Frontend, auth_token: Optional[str] = None):
         self.fe = fe
-        self._expected = f"Bearer {auth_token}".encode() if auth_token else None
+        self._token = BearerToken(auth_token) if auth_token else None
         self.app = self._build()
 
     # ---- wiring ------------------------------------------------------------------------------
@@ -194,10 +194,9 @@ class OpenAIApp:
         return app
 
     async def _auth(self, request: Request) -> None:
-        if self._expected is None:
+        if self._token is None:
             return
-        got = request.headers.get("authorization", "").encode()
-        if not hmac.compare_digest(got, self._expected):
+        if not self._token.accepts(request.headers.get("authorization")):
             raise OpenAIError(401, "missing or wrong bearer token (header 'Authorization: "
                               "Bearer <token>', the token of --auth-token)",
                               "authentication_error", None, "invalid_api_key")
@@ -365,7 +364,6 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> None:
         """Bind and start serving; a port that cannot be bound is a ServeError."""
-        from runtime.server.app import ServeError
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from kiln_contracts import FieldError
 from runtime.guided import GuidedDecoding, apply_bitmask
 
 MAX_LOGPROBS = 20   # top alternatives per token a request may ask for
@@ -69,8 +70,9 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name, allowed):
-            raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {allowed}")
+        def bad(name, allowed):   # FieldError: each API names the field in its own terms
+            problem = f"= {getattr(self, name)!r}: {allowed}"
+            raise FieldError(name, problem, f"SamplingParams.{name} {problem}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             bad("max_tokens", "must be an integer >= 1")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -30,7 +30,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from kiln_contracts import KILN_VERSION
+from kiln_contracts import KILN_VERSION, FieldError
 from runtime.engine import RequestOutput
 from runtime.guided import GuidedDecoding
 from runtime.sampling import SamplingParams
@@ -166,8 +166,10 @@ def parse(request, max_tokens_limit: int) -> Job:
     try:
         kw["guided"] = _guided(v)
         params = SamplingParams(max_tokens=max_tokens, **kw)
+    except FieldError as e:         # a SamplingParams field is a request input of that name
+        raise invalid(f"input {e.field} {e.problem}")
     except ValueError as e:
-        raise invalid(str(e).replace("SamplingParams.", "input "))
+        raise invalid(str(e))
     outputs = ["text_output"] + [o for o in ("num_input_tokens", "num_output_tokens")
                                  if v.get(f"return_{o}")]
     if request.outputs:

@@ -17,7 +17,6 @@ and temperature).
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kiln_contracts import FieldError
 from runtime.engine import RequestOutput, Usage
 from runtime.sampling import MAX_LOGPROBS, SEED_MAX, SamplingParams, TokenLogprobs
 from runtime.server.openai_tools import GUIDED_PARAMS, ToolError, Tools, guided_of, \
@@ -169,9 +169,6 @@ def _validate(model: type[BaseModel], body: dict) -> Any:
         raise invalid(f"{param}: {err['msg']} (got {err.get('input')!r})"[:500], param)
 
 
-_SP_FIELD = re.compile(r"SamplingParams\.(\w+)")
-
-
 def _guided(b: _Common, tools: Optional[Tools] = None):
     """The request's output constraint (GuidedDecoding or None); 400 naming a bad one."""
     try:
@@ -198,12 +195,11 @@ def _params(b: _Common, max_tokens: Optional[int], logprobs: Optional[int],
               stop=b.stop or (), stop_token_ids=tuple(b.stop_token_ids or ()))
     try:
         return SamplingParams(**kw)
+    except FieldError as e:         # the SamplingParams field, by its name in this API
+        name = renames.get(e.field, e.field)
+        raise invalid(f"{name} {e.problem}", name)
     except ValueError as e:
-        m = _SP_FIELD.search(str(e))
-        name = m.group(1) if m else None
-        name = renames.get(name, name)
-        msg = _SP_FIELD.sub(lambda _: name or "", str(e))
-        raise invalid(msg, name)
+        raise invalid(str(e), None)
 
 
 def _n(b: _Common) -> int:

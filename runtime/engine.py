@@ -20,11 +20,11 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence as Seq, Union
+from typing import Callable, Optional, Sequence, Union
 
-from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
-                                       SchedulerOutput, Sequence, SequenceStatus, StepOutput)
 from kiln_contracts import FieldError, default_input_len
+from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
+                                       SchedulerOutput, SequenceStatus, StepOutput, TokenSequence)
 from runtime.compute import enter_engine_thread
 from runtime.executor import Executor
 from runtime.guided import GrammarCache
@@ -37,7 +37,7 @@ from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln.runtime")
 
-Prompt = Union[str, Seq[int], Seq[dict]]   # text, token ids, or chat messages
+Prompt = Union[str, Sequence[int], Sequence[dict]]   # text, token ids, or chat messages
 LIMITS = ("max_batch_size", "max_num_tokens", "max_seq_len", "max_input_len")
 
 
@@ -96,7 +96,7 @@ class _Request:
     """Engine-thread bookkeeping of one request."""
     __slots__ = ("seq", "stream", "detok", "arrival", "first_token", "last_token")
 
-    def __init__(self, seq: Sequence, stream: RequestStream, detok):
+    def __init__(self, seq: TokenSequence, stream: RequestStream, detok):
         self.seq, self.stream, self.detok = seq, stream, detok
         self.arrival = seq.arrival_time
         self.first_token: Optional[float] = None
@@ -315,7 +315,7 @@ class Engine:
             if rid in self._requests or any(r.seq.request_id == rid
                                               for r in _added(self._inbox)):
                 raise ValueError(f"request id {rid!r} is already in flight")
-            seq = Sequence(rid, ids, params.max_tokens, params.min_tokens, stop_ids, state)
+            seq = TokenSequence(rid, ids, params.max_tokens, params.min_tokens, stop_ids, state)
             stream = RequestStream(self._abort, rid, ids)
             detok = tok.detokenizer(ids, params.stop, params.include_stop_str_in_output,
                                     params.skip_special_tokens)
@@ -352,8 +352,9 @@ class Engine:
             self._inbox.append(AbortRequest(request_id))
             self._cv.notify()
 
-    def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams],
-                                                          None] = None) -> list[RequestResult]:
+    def generate(self, prompts: Sequence[Prompt],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+                 ) -> list[RequestResult]:
         """Run prompts to completion (waits for room when the queue is full)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -382,7 +383,7 @@ class Engine:
         if stop is not None and not seq.is_finished:
             seq.stop_reason = stop
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        guide = seq.params.guide
+        guide = seq.sampling.guide
         if guide is not None and guide.done and not seq.is_finished:   # the grammar is complete
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if not seq.is_finished:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from plugins.inflight_batching import SchedulerOutput, Sequence, StepOutput
+from plugins.inflight_batching import SchedulerOutput, TokenSequence, StepOutput
 from runtime.executor import Executor, ModelInput
 from runtime.guided import Masker
 from runtime.sampling import Sampler, TokenLogprobs
@@ -60,7 +60,7 @@ class ModelRunner:
             errors: dict[str, str] = {}
             guided = self._masks(seqs, rl.shape[1])
             try:
-                toks = self.sampler(rl, [s.params for s in seqs], [s.token_ids for s in seqs],
+                toks = self.sampler(rl, [s.sampling for s in seqs], [s.token_ids for s in seqs],
                                     [s.num_prompt_tokens for s in seqs], guided)
             except Exception:   # pin it on its request(s): sample row by row
                 toks = self._sample_rows(rl, seqs, errors, guided)
@@ -69,40 +69,40 @@ class ModelRunner:
             for i, t in zip(rows, toks):
                 sampled[i] = t
             asked = [j for j, s in enumerate(seqs)
-                     if s.params.params.logprobs is not None and toks[j] is not None]
+                     if s.sampling.params.logprobs is not None and toks[j] is not None]
             if asked:   # only requests that ask pay for a log_softmax
                 lps = self.sampler.logprobs(rl[asked], [toks[j] for j in asked],
-                                            [seqs[j].params.params.logprobs for j in asked])
+                                            [seqs[j].sampling.params.logprobs for j in asked])
                 return SampledOutput(sampled, {seqs[j].request_id: lp
                                                for j, lp in zip(asked, lps)}, errors)
             return SampledOutput(sampled, {}, errors)
         return SampledOutput(sampled)
 
-    def _masks(self, seqs: list[Sequence], vocab: int
+    def _masks(self, seqs: list[TokenSequence], vocab: int
                ) -> Optional[tuple[list[int], torch.Tensor]]:
         """(rows, bitmask) of the constrained requests among seqs; None when there are none
         (unconstrained requests pay nothing)."""
-        rows = [j for j, s in enumerate(seqs) if s.params.guide is not None]
+        rows = [j for j, s in enumerate(seqs) if s.sampling.guide is not None]
         if not rows:
             return None
         if self.masker is None or self.masker.vocab_size != vocab:
             self.masker = Masker(vocab, len(seqs))
-        return rows, self.masker.fill([seqs[j].params.guide for j in rows])
+        return rows, self.masker.fill([seqs[j].sampling.guide for j in rows])
 
     @staticmethod
-    def _advance(seqs: list[Sequence], rows: list[int], toks: list[Optional[int]],
+    def _advance(seqs: list[TokenSequence], rows: list[int], toks: list[Optional[int]],
                  errors: dict[str, str]) -> None:
         """Feed each constrained request its sampled token (a stop token ends it instead)."""
         for j in rows:
             s, t = seqs[j], toks[j]
             if t is None or t in s.stop_token_ids:
                 continue
-            guide = s.params.guide
+            guide = s.sampling.guide
             guide.advance(t)
             if guide.error is not None:
                 errors[s.request_id] = guide.error
 
-    def _sample_rows(self, logits: torch.Tensor, seqs: list[Sequence],
+    def _sample_rows(self, logits: torch.Tensor, seqs: list[TokenSequence],
                      errors: dict[str, str],
                      guided: Optional[tuple[list[int], torch.Tensor]] = None
                      ) -> list[Optional[int]]:
@@ -115,7 +115,7 @@ class ModelRunner:
                 g = None
                 if guided is not None and j in guided[0]:
                     g = ([0], guided[1][guided[0].index(j)][None])
-                toks.append(self.sampler(logits[j:j + 1], [s.params], [s.token_ids],
+                toks.append(self.sampler(logits[j:j + 1], [s.sampling], [s.token_ids],
                                          [s.num_prompt_tokens], g)[0])
             except Exception as e:
                 log.exception("sampling failed for request %s", s.request_id)

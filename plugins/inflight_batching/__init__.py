@@ -1,7 +1,7 @@
 """In-flight batching: the scheduler (waiting/running queues, chunked prefill, policies)."""
 from plugins.inflight_batching.scheduler import (POLICIES, RequestRefused, Scheduler,
-                                                 SchedulerConfig, SchedulerOutput, Sequence,
+                                                 SchedulerConfig, SchedulerOutput, TokenSequence,
                                                  SequenceStatus, StepOutput)
 
 __all__ = ["POLICIES", "RequestRefused", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-           "Sequence", "SequenceStatus", "StepOutput"]
+           "TokenSequence", "SequenceStatus", "StepOutput"]

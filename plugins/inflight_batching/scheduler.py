@@ -27,7 +27,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence as Seq
+from typing import Any, Iterable, Optional, Sequence
 
 from kiln_contracts import FieldError, default_input_len
 from plugins.paged_kv.block_pool import BlockPool
@@ -87,11 +87,12 @@ class SequenceStatus(enum.Enum):
         return self.value in ("stop", "length", "cancelled", "error")
 
 
-class Sequence:
-    """One request's state, owned by the scheduler."""
+class TokenSequence:
+    """One request's tokens (prompt + output) and its scheduling state, owned by the
+    scheduler."""
 
-    def __init__(self, request_id: str, prompt_token_ids: Seq[int], max_tokens: int,
-                 min_tokens: int = 0, stop_token_ids: Iterable[int] = (), params: Any = None,
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
+                 min_tokens: int = 0, stop_token_ids: Iterable[int] = (), sampling: Any = None,
                  arrival_time: Optional[float] = None):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + generated
@@ -104,7 +105,7 @@ class Sequence:
         self.max_tokens = max_tokens
         self.min_tokens = min_tokens
         self.stop_token_ids = frozenset(stop_token_ids)
-        self.params = params             # sampling params, opaque to the scheduler
+        self.sampling = sampling         # the caller's sampling state, opaque to the scheduler
         self.num_preemptions = 0
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: Optional[float] = None
@@ -127,18 +128,18 @@ class Sequence:
         return self.status.is_finished
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+        return (f"TokenSequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
 
 
 @dataclass
 class SchedulerOutput:
     """What runs this step; the only object the scheduler hands the executor side."""
-    seqs: list[Sequence] = field(default_factory=list)    # scheduled, in packing order
+    seqs: list[TokenSequence] = field(default_factory=list)    # scheduled, in packing order
     num_scheduled_tokens: list[int] = field(default_factory=list)  # seqs[i] -> tokens this step
     # seqs[i] samples a token this step iff its computed tokens reach its known tokens
     sample: list[bool] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # preempted while scheduling
+    preempted: list[TokenSequence] = field(default_factory=list)  # preempted while scheduling
     total_num_tokens: int = 0                             # sum(num_scheduled_tokens)
 
     @classmethod
@@ -162,9 +163,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, num_blocks: int):
         self.config = config
         self.pool = BlockPool(num_blocks, config.tokens_per_block, config.prefix_caching)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []      # admission order: running[-1] is the newest
-        self.by_id: dict[str, Sequence] = {}
+        self.waiting: deque[TokenSequence] = deque()
+        self.running: list[TokenSequence] = []      # admission order: running[-1] is the newest
+        self.by_id: dict[str, TokenSequence] = {}
         self.num_preemptions = 0
         self.num_generated_tokens = 0
         self._guaranteed = config.policy == "guaranteed_no_evict"
@@ -190,7 +191,7 @@ class Scheduler:
             raise RequestRefused(f"prompt + max_tokens = {total} tokens needs {need} KV blocks; "
                                  f"the pool has {self.pool.num_blocks}")
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: TokenSequence) -> None:
         """Queue a sequence (call check() first)."""
         self.check(seq.num_prompt_tokens, seq.max_tokens)
         if seq.request_id in self.by_id:
@@ -198,14 +199,14 @@ class Scheduler:
         self.by_id[seq.request_id] = seq
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> Optional[Sequence]:
+    def abort(self, request_id: str) -> Optional[TokenSequence]:
         """Finish a request as cancelled and free its blocks at once; None if unknown."""
         seq = self.by_id.get(request_id)
         if seq is not None:
             self.finish(seq, SequenceStatus.FINISHED_ABORTED)
         return seq
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def finish(self, seq: TokenSequence, status: SequenceStatus) -> None:
         """End a sequence (any FINISHED_* status): leave the queues, free the blocks."""
         if seq.is_finished:
             return
@@ -264,7 +265,7 @@ class Scheduler:
             budget -= n
         return out
 
-    def update(self, out: SchedulerOutput, step: StepOutput) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, step: StepOutput) -> list[TokenSequence]:
         """Advance the scheduled sequences by this step's results. Appends sampled tokens,
         finishes sequences on stop tokens / max_tokens / max_seq_len and frees their blocks.
         -> the sequences that received a token (finished ones included)."""
@@ -288,7 +289,7 @@ class Scheduler:
         return touched
 
     # ---- internals ----------------------------------------------------------------------------
-    def _put(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _put(self, out: SchedulerOutput, seq: TokenSequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_scheduled_tokens.append(n)
         out.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
@@ -296,7 +297,7 @@ class Scheduler:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
 
-    def _reserve_slot(self, seq: Sequence, out: SchedulerOutput) -> bool:
+    def _reserve_slot(self, seq: TokenSequence, out: SchedulerOutput) -> bool:
         """Make room for seq's next token, preempting the newest sequences if needed.
         -> False when seq itself had to be preempted."""
         need = seq.num_computed_tokens + 1
@@ -308,7 +309,7 @@ class Scheduler:
         self.pool.may_append(seq.block_table, need)
         return True
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: TokenSequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.pool.free(seq.block_table)
         seq.block_table = []
@@ -326,7 +327,7 @@ class Scheduler:
                                               self.config.max_seq_len)) - len(s.block_table))
                    for s in self.running)
 
-    def _admit(self, seq: Sequence, budget: int) -> bool:
+    def _admit(self, seq: TokenSequence, budget: int) -> bool:
         """Allocate blocks for a waiting sequence if the policy and the budget allow."""
         pool = self.pool
         if pool.prefix_caching:

@@ -3,7 +3,7 @@
 No model and no tensors: step outputs are made by hand."""
 import pytest
 
-from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig, Sequence,
+from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig, TokenSequence,
                                        SequenceStatus, StepOutput)
 
 pytestmark = pytest.mark.unit
@@ -17,7 +17,7 @@ def make(num_blocks=64, **kw):
 
 
 def seq(rid, n_prompt, max_tokens=4, start=0, **kw):
-    return Sequence(rid, list(range(start, start + n_prompt)), max_tokens,
+    return TokenSequence(rid, list(range(start, start + n_prompt)), max_tokens,
                     stop_token_ids=[EOS], **kw)
 
 
@@ -173,7 +173,7 @@ def test_prefix_hit_skips_cached_tokens():
     a = seq("a", 13, max_tokens=2)
     s.add(a)
     drain(s)
-    b = Sequence("b", list(range(12)) + [77], 2, stop_token_ids=[EOS])
+    b = TokenSequence("b", list(range(12)) + [77], 2, stop_token_ids=[EOS])
     s.add(b)
     out = step(s)
     assert b.num_cached_tokens == 12 and out.num_scheduled_tokens == [1]

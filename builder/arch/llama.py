@@ -203,7 +203,9 @@ class MLP(nn.Module):
         return self.w2(F.silu(gate) * up)
 
 
-class Block(nn.Module):
+class TransformerBlock(nn.Module):
+    """One decoder layer: pre-norm attention then pre-norm MLP, each with its residual."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -223,7 +225,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)

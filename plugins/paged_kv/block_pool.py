@@ -29,7 +29,9 @@ ROOT_HASH = 0x6B696C6E  # parent hash of a sequence's first block
 
 
 @dataclass
-class Block:
+class KVBlock:
+    """One fixed-size block of the KV pool: its id, its references and, once full, its
+    prefix hash (the K/V itself lives in the executor's pools)."""
     block_id: int
     ref_count: int = 0
     hash: int | None = None          # set once the block is full and its K/V computed
@@ -60,7 +62,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.tokens_per_block = tokens_per_block
         self.prefix_caching = prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))      # ref 0, no hash
         self._cached: OrderedDict[int, None] = OrderedDict()    # ref 0, hashed; LRU first
         self._by_hash: dict[int, int] = {}                      # hash -> block id
@@ -199,7 +201,7 @@ class BlockPool:
         self.blocks[bid].ref_count = 1
         return bid
 
-    def _forget(self, block: Block) -> None:
+    def _forget(self, block: KVBlock) -> None:
         if block.hash is not None and self._by_hash.get(block.hash) == block.block_id:
             del self._by_hash[block.hash]
         block.hash, block.token_ids = None, ()

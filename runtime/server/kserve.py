@@ -88,8 +88,8 @@ OUTPUTS = {"text_output": "BYTES", "num_input_tokens": "INT32", "num_output_toke
 
 
 @dataclass
-class Job:
-    """One decoded KServe request."""
+class KServeRequest:
+    """One decoded KServe ModelInferRequest: the prompt, its SamplingParams, what to return."""
     id: str
     prompt: str
     params: SamplingParams
@@ -119,7 +119,7 @@ def _utf8(name: str, data: bytes) -> str:
         raise invalid(f"input {name!r} is not valid UTF-8 ({e.reason} at byte {e.start})")
 
 
-def parse(request, max_tokens_limit: int) -> Job:
+def parse(request, max_tokens_limit: int) -> KServeRequest:
     """Decode and validate a ModelInferRequest. Raises ServiceError (INVALID_ARGUMENT)."""
     tensors = decode_inputs(request)
     for name, t in tensors.items():
@@ -178,8 +178,8 @@ def parse(request, max_tokens_limit: int) -> Job:
         if unknown:
             raise invalid(f"unknown output {unknown[0]!r}; this model's outputs: "
                           f"{', '.join(OUTPUTS)}")
-    return Job(request.id, prompt, params, bool(v.get("stream", False)),
-               bool(v.get("exclude_input_in_output", False)), outputs)
+    return KServeRequest(request.id, prompt, params, bool(v.get("stream", False)),
+                         bool(v.get("exclude_input_in_output", False)), outputs)
 
 
 def _guided(v: dict) -> Optional[GuidedDecoding]:
@@ -198,7 +198,7 @@ def _guided(v: dict) -> Optional[GuidedDecoding]:
     return GuidedDecoding("regex" if name == "guided_regex" else "grammar", text)
 
 
-def response(job: Job, model: str, text: str, num_input: int, num_output: int,
+def response(job: KServeRequest, model: str, text: str, num_input: int, num_output: int,
              final: Optional[bool] = None) -> pb.ModelInferResponse:
     """A response carrying every output of `job` in raw_output_contents."""
     values = {"text_output": [text.encode("utf-8")], "num_input_tokens": [num_input],
@@ -281,7 +281,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(e.code, e.message)
 
     # ---- inference ---------------------------------------------------------------------------
-    def _parse(self, request) -> Job:
+    def _parse(self, request) -> KServeRequest:
         """Decode a request for this model; a refusal is counted and raised (ServiceError)."""
         try:
             self._model(request.model_name, request.model_version)
@@ -304,7 +304,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(e.code, e.message)
         return res
 
-    async def _complete(self, job: Job, t0: float) -> pb.ModelInferResponse:
+    async def _complete(self, job: KServeRequest, t0: float) -> pb.ModelInferResponse:
         """Run a request to its end -> one response (raises ServiceError on failure; a
         success is counted in the statistics)."""
         async with self.fe.request(job.prompt, job.params) as (stream, outputs):
@@ -373,7 +373,7 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             for t in list(tasks):
                 t.cancel()
 
-    async def _stream_one(self, job: Job, out_q: asyncio.Queue, done, t0: float) -> None:
+    async def _stream_one(self, job: KServeRequest, out_q: asyncio.Queue, done, t0: float) -> None:
         try:
             if not job.stream:
                 res = await self._complete(job, t0)

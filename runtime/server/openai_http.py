@@ -31,9 +31,9 @@ from runtime.server.auth import BearerToken
 from runtime.server.errors import ServeError, ServiceError
 from runtime.server.frontend import Frontend
 from runtime.server.limits import RequestLimits
-from runtime.server.openai_protocol import (FINISH, ChoiceState, Job, OpenAIError, chunk_json,
-                                            envelope, final_json, invalid, parse_chat,
-                                            parse_completion, usage_json)
+from runtime.server.openai_protocol import (FINISH, ChoiceState, OpenAIError, OpenAIRequest,
+                                            chunk_json, envelope, final_json, invalid,
+                                            parse_chat, parse_completion, usage_json)
 
 log = logging.getLogger("kiln.server.http")
 
@@ -257,7 +257,7 @@ class OpenAIApp:
             self._check_model(body.get("model"))
             _check_body(body, self.fe.limits, self.fe.engine.config.input_len)
             # tokenizing (prompts, the chat template) off the event loop
-            job: Job = await asyncio.to_thread(parse, body, self.fe.engine.tokenizer)
+            job: OpenAIRequest = await asyncio.to_thread(parse, body, self.fe.engine.tokenizer)
             if len(job.choices) > self.fe.limits.max_prompts:
                 raise invalid(f"{len(job.prompts)} prompts x n = {job.n} is "
                               f"{len(job.choices)} choices; at most "
@@ -285,7 +285,7 @@ class OpenAIApp:
             return Response(status_code=499)
         return JSONResponse(whole.result())
 
-    async def _submit(self, stack: contextlib.AsyncExitStack, job: Job
+    async def _submit(self, stack: contextlib.AsyncExitStack, job: OpenAIRequest
                       ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per choice; a refusal cancels those already submitted."""
         outputs = []
@@ -297,7 +297,7 @@ class OpenAIApp:
             outputs.append(outs)
         return outputs
 
-    async def _whole(self, job: Job) -> dict:
+    async def _whole(self, job: OpenAIRequest) -> dict:
         async with contextlib.AsyncExitStack() as stack:
             outputs = await self._submit(stack, job)
             states = [ChoiceState() for _ in outputs]
@@ -307,7 +307,7 @@ class OpenAIApp:
                     raise _failed(out)
         return final_json(job, states, self.fe.engine.tokenizer, job.model, self._fingerprint)
 
-    async def _events(self, job: Job) -> AsyncIterator[str]:
+    async def _events(self, job: OpenAIRequest) -> AsyncIterator[str]:
         """Server-sent events; the first item (empty) marks a successful submission."""
         async with contextlib.AsyncExitStack() as stack:
             outputs = await self._submit(stack, job)

@@ -3,8 +3,8 @@
 A request body is checked in three passes, each refusal a 400 that names the parameter:
 
     body --refused parameters (logit_bias, audio, ...)--> --pydantic (types, unknown
-    fields)--> --SamplingParams (ranges)--> Job: one (prompt token ids, SamplingParams) per
-    choice, prompt after prompt, n choices each
+    fields)--> --SamplingParams (ranges)--> OpenAIRequest: one (prompt token ids,
+    SamplingParams) per choice, prompt after prompt, n choices each
 
 Structured output (response_format, guided_*) and tools: openai_tools.py; a schema or
 grammar that does not compile is refused by the engine at submission (400), never mid-stream.
@@ -136,8 +136,9 @@ class ChatBody(_Common):
 
 
 @dataclass
-class Job:
-    """A validated request: its choices, each (prompt ids, params), prompt after prompt."""
+class OpenAIRequest:
+    """A validated completion or chat request: its choices, each (prompt ids, params), prompt
+    after prompt."""
     kind: Literal["completion", "chat"]
     model: str
     choices: list[tuple[list[int], SamplingParams]]
@@ -232,7 +233,7 @@ def _stream_flags(b: _Common) -> tuple[bool, bool, bool]:
     return stream, bool(so.include_usage), bool(so.continuous_usage_stats)
 
 
-def parse_completion(body: dict, tok: Tokenizer) -> Job:
+def parse_completion(body: dict, tok: Tokenizer) -> OpenAIRequest:
     b: CompletionBody = _validate(CompletionBody, body)
     p = b.prompt
     if isinstance(p, str):
@@ -251,8 +252,8 @@ def parse_completion(body: dict, tok: Tokenizer) -> Job:
                      _guided(b))
     n = _n(b)
     stream, usage, cont = _stream_flags(b)
-    return Job("completion", b.model, _choices(prompts, n, params), prompts, n, stream, usage,
-               cont, b.logprobs is not None)
+    return OpenAIRequest("completion", b.model, _choices(prompts, n, params), prompts, n,
+                         stream, usage, cont, b.logprobs is not None)
 
 
 def chat_messages(raw: list) -> list[dict]:
@@ -312,7 +313,7 @@ def chat_messages(raw: list) -> list[dict]:
     return out
 
 
-def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> Job:
+def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> OpenAIRequest:
     b: ChatBody = _validate(ChatBody, body)
     messages = chat_messages(b.messages)
     if not tok.chat_template:
@@ -346,8 +347,9 @@ def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> Job:
     params = _params(b, max_tokens, top if b.logprobs else None, renames, guided)
     n = _n(b)
     stream, usage, cont = _stream_flags(b)
-    return Job("chat", b.model, _choices([ids], n, params), [ids], n, stream, usage, cont,
-               bool(b.logprobs), tools if tools is not None and tools.in_prompt else None)
+    return OpenAIRequest("chat", b.model, _choices([ids], n, params), [ids], n, stream, usage,
+                         cont, bool(b.logprobs),
+                         tools if tools is not None and tools.in_prompt else None)
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -417,7 +419,7 @@ class ChoiceState:
         return self.text[offset:], new
 
 
-def envelope(job: Job, model: str, fingerprint: str, chunk: bool) -> dict:
+def envelope(job: OpenAIRequest, model: str, fingerprint: str, chunk: bool) -> dict:
     if job.kind == "completion":
         return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created,
                 "model": model, "system_fingerprint": fingerprint}
@@ -426,7 +428,7 @@ def envelope(job: Job, model: str, fingerprint: str, chunk: bool) -> dict:
             "created": job.created, "model": model, "system_fingerprint": fingerprint}
 
 
-def final_json(job: Job, states: list[ChoiceState], tok: Tokenizer, model: str,
+def final_json(job: OpenAIRequest, states: list[ChoiceState], tok: Tokenizer, model: str,
                fingerprint: str) -> dict:
     choices = []
     for i, st in enumerate(states):
@@ -448,7 +450,7 @@ def final_json(job: Job, states: list[ChoiceState], tok: Tokenizer, model: str,
             "usage": usage_json([s.usage for s in states], job.n)}
 
 
-def chunk_json(job: Job, index: int, st: ChoiceState, out: RequestOutput, tok: Tokenizer,
+def chunk_json(job: OpenAIRequest, index: int, st: ChoiceState, out: RequestOutput, tok: Tokenizer,
                base: dict) -> Optional[dict]:
     """The SSE chunk for one output of choice `index` (None when there is nothing to say)."""
     offset = len(st.text)
@@ -478,7 +480,7 @@ def chunk_json(job: Job, index: int, st: ChoiceState, out: RequestOutput, tok: T
     return chunk
 
 
-def _tool_choice_chunk(job: Job, index: int, st: ChoiceState, text: str, lps: list,
+def _tool_choice_chunk(job: OpenAIRequest, index: int, st: ChoiceState, text: str, lps: list,
                        finish: Optional[str], tok: Tokenizer) -> Optional[dict]:
     """A chat chunk's choice when the request has tools. A named tool_choice streams its
     arguments as they come (the call's id and name in the first delta); required and auto

@@ -21,10 +21,9 @@ from builder.progress import Progress
 from builder.spec import Spec, SpecError, load_spec, parse_memory
 from builder.uptodate import quick_key, quick_up_to_date
 from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
-from kiln_contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
-                                     KVCacheSection, LimitsSection, ModelSection, PlanManifest,
-                                     PrecisionSection, SchedulerSection, TargetSection,
-                                     ToolchainSection)
+from kiln_contracts.manifest import (AccuracyRecord, EngineSection, FileEntry, KVCacheSection,
+                                     LimitsSection, ModelSection, PlanManifest, PrecisionSection,
+                                     SchedulerSection, TargetSection, ToolchainSection)
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
 # need them: an up-to-date check must answer in well under 2 seconds.
@@ -285,12 +284,13 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
         from builder.accuracy import calibration_runner
 
         calibration = calibration_runner(spec, ckpt)
-    progress.stage(f"quantizing to {p.weights}" + (
+    progress.stage(("fp32 linears on the quant plugin's GEMV" if p.weights == "fp32" else
+                    f"quantizing to {p.weights}") + (
         " + int8 activations" if p.activations == "int8" else "") + (
         (" (SmoothQuant calibration)" if p.activations == "int8" else
          " (AWQ-style calibration)") if calibration
                                                    else ""))
-    keep = () if p.weights == "bf16" else p.keep_high_precision
+    keep = () if p.weights in ("bf16", "fp32") else p.keep_high_precision
     try:
         info = quantize_model(model, p.weights, group_size=p.group_size,
                               keep_high_precision=keep, calibration=calibration,

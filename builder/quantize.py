@@ -146,7 +146,8 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
                    ) -> dict:
     """Swaps the model's nn.Linear modules for QuantLinear in place; returns a report dict.
 
-    weights: int8 | int4 | fp8 | bf16 (weight-only: bf16 storage, float32 compute).
+    weights: int8 | int4 | fp8 | bf16 (weight-only: bf16 storage, float32 compute) | fp32
+    (nothing quantized: every linear and the tied head run the plugin's streaming GEMV).
     group_size: int4 only (None: the largest of 128/64/32 that
     divides every quantized linear's K). keep_high_precision: "embed", "lm_head", or module
     names / name components ("w2", "layers.0") left unquantized. calibration (int4): a
@@ -189,16 +190,19 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
               "activations": ("int8-per-token-dynamic" if activations == "int8" else "float"),
               "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
               "embedding": ("float" if EMBED in keep else
-                            "bf16" if weights == "bf16" else "int8-per-row"),
+                            weights if weights in ("bf16", "fp32") else "int8-per-row"),
               "bytes_before": 0, "bytes_after": 0}
     if weights == "fp8":   # weights stored E4M3; this CPU kernel upcasts them (no FP8 MMA)
         report["fp8_compute"] = "upcast-fp32"
     if weights == "bf16":  # stored bf16, multiplied in float32 (no bf16 FMA on AVX2)
         report["bf16_compute"] = "upcast-fp32"
+    if weights == "fp32":  # nothing quantized: the linears run the plugin's streaming GEMV
+        report["method"] = "none"
     qemb = None
     if EMBED not in keep:
         emb = model.tok_embeddings
-        qemb = QuantEmbedding.from_embedding(emb, "bf16" if weights == "bf16" else "int8")
+        qemb = QuantEmbedding.from_embedding(emb, weights if weights in ("bf16", "fp32")
+                                             else "int8")
         report["bytes_before"] += emb.weight.numel() * emb.weight.element_size()
         report["bytes_after"] += sum(b.numel() * b.element_size() for b in qemb.buffers())
     if calibration is not None and weights != "int4" and activations != "int8":

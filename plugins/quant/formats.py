@@ -51,6 +51,9 @@ bf16  bfloat16 weights, no scale (a bf16 plan: weight-only, activations stay flo
       error bound: |w - deq| <= max(|w| * 2**-8, 2**-134)   (7 mantissa bits, round to
       nearest even; the second term: bf16 subnormals)
 
+fp32  float32 weights as they are (qweight float32 [N, K], scales None): the linear runs the
+      plugin's streaming GEMV at small M instead of BLAS. error bound: 0
+
 All-zero rows get a scale of tiny (finfo.tiny) / qmax so nothing divides by zero.
 """
 from __future__ import annotations
@@ -62,7 +65,7 @@ import torch
 INT4_BLOCK = 32                   # weights per 16-byte packed block (see layout above)
 GROUP_SIZES = (32, 64, 128)
 FP8_MAX = 448.0                   # largest finite float8_e4m3fn
-SCHEMES = ("int8", "int4", "fp8", "bf16", "int4_a8")
+SCHEMES = ("int8", "int4", "fp8", "bf16", "int4_a8", "fp32")
 INT4_A8_ROWS = 16                 # weight rows per interleaved block (16 int32 lanes)
 INT4_A8_GROUP = 32                # weights per scale/min, and activations per scale
 _TINY = torch.finfo(torch.float32).tiny
@@ -71,9 +74,9 @@ _TINY = torch.finfo(torch.float32).tiny
 @dataclass(frozen=True)
 class QuantizedWeight:
     """One quantized [N, K] weight: the op's tensor arguments, in the op's order."""
-    scheme: str                   # int8 | int4 | fp8 | bf16 | int4_a8
+    scheme: str                   # int8 | int4 | fp8 | bf16 | int4_a8 | fp32
     qweight: torch.Tensor
-    scales: torch.Tensor | None   # None for bf16
+    scales: torch.Tensor | None   # None for bf16 and fp32
     zeros: torch.Tensor | None    # int4: zero points; int4_a8: group minimums; else None
     group_size: int | None        # int4 / int4_a8 only
     shape: tuple[int, int]        # (N, K) of the float weight
@@ -227,6 +230,8 @@ def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
     """Quantize one [N, K] weight with `scheme` (int8 | int4 | fp8 | bf16)."""
     shape = (int(w.shape[0]), int(w.shape[1]))
+    if scheme == "fp32":
+        return QuantizedWeight("fp32", w.detach().float().contiguous(), None, None, None, shape)
     if scheme == "bf16":
         return QuantizedWeight("bf16", w.detach().to(torch.bfloat16).contiguous(), None, None,
                                None, shape)
@@ -253,7 +258,7 @@ def dequantize(qw: QuantizedWeight) -> torch.Tensor:
     """The float32 [N, K] weight a QuantizedWeight stands for."""
     if qw.scheme == "int8":
         return dequantize_int8(qw.qweight, qw.scales)
-    if qw.scheme == "bf16":
+    if qw.scheme in ("bf16", "fp32"):
         return qw.qweight.float()
     if qw.scheme == "fp8":
         return dequantize_fp8(qw.qweight, qw.scales)
@@ -275,6 +280,8 @@ def error_bound(w: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
         return d * (0.5 + 2.0 ** -5) + w.float().abs() * 2.0 ** -10 + 2.0 ** -20
     if qw.scheme == "int4":
         return (qw.scales / 2).repeat_interleave(qw.group_size, dim=1) + rounding
+    if qw.scheme == "fp32":
+        return torch.zeros_like(w.float())
     if qw.scheme == "bf16":   # half an ulp; bf16 subnormals step by 2**-133
         return torch.maximum(w.float().abs() * 2.0 ** -8, torch.full_like(w.float(), 2.0 ** -134))
     return torch.maximum(w.float().abs() * 2.0 ** -4, qw.scales[:, None] * 2.0 ** -10)

@@ -68,16 +68,17 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """nn.Embedding with an int8 per-row table, out[t] = qweight[ids[t]] * scales[ids[t]], or
-    a bf16 table (scales None), out[t] = float(qweight[ids[t]]).
+    a bf16 / fp32 table (scales None), out[t] = float(qweight[ids[t]]).
 
-    Either is the linear format (int8 / bf16) of the same [vocab, hidden] matrix, so a tied
-    lm_head can run linear_int8 / linear_bf16 on these very buffers."""
+    Each is the linear format (int8 / bf16 / fp32) of the same [vocab, hidden] matrix, so a
+    tied lm_head can run linear_int8 / linear_bf16 / linear_fp32 on these very buffers."""
 
     def __init__(self, qweight: torch.Tensor, scales: Optional[torch.Tensor]):
         super().__init__()
         self.num_embeddings, self.embedding_dim = qweight.shape
-        self.scheme = "bf16" if scales is None else "int8"
-        self.register_buffer("qweight", qweight)                      # int8 / bf16 [V, H]
+        self.scheme = {torch.int8: "int8", torch.bfloat16: "bf16", torch.float32: "fp32"}[
+            qweight.dtype]
+        self.register_buffer("qweight", qweight)                      # int8/bf16/fp32 [V, H]
         self.register_buffer("scales", scales)                        # float32 [V] or None
 
     @classmethod
@@ -91,7 +92,7 @@ class QuantEmbedding(nn.Module):
         return self.qweight[ids].float() * self.scales[ids].unsqueeze(-1)   # [T, H] float32
 
     def extra_repr(self) -> str:
-        what = "bf16" if self.scales is None else "int8 per row"
+        what = "int8 per row" if self.scheme == "int8" else self.scheme
         return f"{self.num_embeddings}, {self.embedding_dim}, {what}"
 
 

@@ -4,6 +4,7 @@
     kiln::linear_int4(x, qweight uint8 [N,K/2], scales [N,K/G], zeros [N,K/G], G, bias?)
     kiln::linear_fp8 (x, qweight float8_e4m3fn [N,K], scales [N], bias?)       -> [M, N]
     kiln::linear_bf16(x, weight bfloat16 [N,K], bias?)                          -> [M, N]
+    kiln::linear_fp32(x, weight float32 [N,K], bias?)                           -> [M, N]
     kiln::linear_int8_a8(x, qweight int8 [N,K], scales [N], bias?)             -> [M, N]
     kiln::linear_int4_a8(x, qweight uint8 [N/16,K/32,256], scales f16 [N/16,K/32,16],
                          mins f16 [N/16,K/32,16], bias?)                         -> [M, N]
@@ -35,6 +36,7 @@ SCHEMAS = {
                     "int group_size, Tensor? bias) -> Tensor"),
     "linear_fp8": "linear_fp8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
     "linear_bf16": "linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    "linear_fp32": "linear_fp32(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
     "linear_int8_a8": ("linear_int8_a8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) "
                        "-> Tensor"),
     "linear_int4_a8": ("linear_int4_a8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, "
@@ -65,6 +67,10 @@ def linear_fp8_reference(x, qweight, scales, bias=None):
 
 def linear_bf16_reference(x, weight, bias=None):
     return _linear(x, weight.float(), bias)
+
+
+def linear_fp32_reference(x, weight, bias=None):
+    return _linear(x, weight, bias)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +120,7 @@ def linear_int4_a8_reference(x, qweight, scales, mins, bias=None):
 
 _lib.impl("linear_int8", linear_int8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_bf16", linear_bf16_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_fp32", linear_fp32_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int4", linear_int4_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_fp8", linear_fp8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int8_a8", linear_int8_a8_reference, "CompositeExplicitAutograd")
@@ -152,6 +159,11 @@ def _linear_int4_a8_fake(x, qweight, scales, mins, bias):
     return _out_fake(x, qweight.shape[0] * formats.INT4_A8_ROWS)
 
 
+@torch.library.register_fake("kiln::linear_fp32")
+def _linear_fp32_fake(x, weight, bias):
+    return _out_fake(x, weight.shape[0])
+
+
 @torch.library.register_fake("kiln::linear_bf16")
 def _linear_bf16_fake(x, weight, bias):
     return _out_fake(x, weight.shape[0])
@@ -162,6 +174,7 @@ REFERENCES = {
     "int4": linear_int4_reference,
     "fp8": linear_fp8_reference,
     "bf16": lambda x, qweight, scales, bias=None: linear_bf16_reference(x, qweight, bias),
+    "fp32": lambda x, qweight, scales, bias=None: linear_fp32_reference(x, qweight, bias),
 }
 
 
@@ -185,6 +198,8 @@ def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
     if qw.scheme == "int4_a8":
         raise ValueError("int4_a8 weights are multiplied with int8 activations only")
     if x.device.type == "cuda":
+        if qw.scheme == "fp32":
+            return F.linear(x, qw.qweight, bias)
         if qw.scheme == "bf16":   # cuBLAS in x's dtype (float32 accumulation)
             return F.linear(x, qw.qweight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         from plugins.quant import triton_linear  # imports triton
@@ -196,4 +211,6 @@ def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
         return torch.ops.kiln.linear_fp8(x, qw.qweight, qw.scales, bias)
     if qw.scheme == "bf16":
         return torch.ops.kiln.linear_bf16(x, qw.qweight, bias)
+    if qw.scheme == "fp32":
+        return torch.ops.kiln.linear_fp32(x, qw.qweight, bias)
     return torch.ops.kiln.linear_int4(x, qw.qweight, qw.scales, qw.zeros, qw.group_size, bias)

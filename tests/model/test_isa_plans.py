@@ -151,7 +151,7 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
     ref = ops.linear_int8_a8_reference(x, qw.qweight, qw.scales, b)
     assert (out - ref).abs().max() <= 1e-6 * ref.abs().max(), ("w8a8", m, n, k)
     if k % 32 == 0:
-        for scheme in ("int8", "int4", "fp8", "bf16"):
+        for scheme in ("int8", "int4", "fp8", "bf16", "fp32"):
             q = formats.quantize(w, scheme, 32 if scheme == "int4" else None)
             args = (q.qweight, q.scales, q.zeros, 32) if scheme == "int4" else (q.qweight, q.scales)
             ref = ops.REFERENCES[scheme](x, *args, b)

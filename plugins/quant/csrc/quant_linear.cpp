@@ -1,4 +1,4 @@
-// CPU kernels for kiln::linear_int8 / int4 / fp8 / bf16 (schemas: plugins/quant/ops.py,
+// CPU kernels for kiln::linear_int8 / int4 / fp8 / bf16 / fp32 (schemas: plugins/quant/ops.py,
 // layouts: plugins/quant/formats.py). Registered for the CPU key, so they override the
 // dequantize-then-matmul references once this library is loaded.
 //
@@ -114,6 +114,24 @@ struct Bf16Dec {
 #endif
   inline void decode_scalar(int64_t n, int64_t k, float* w) const {
     for (int j = 0; j < kBlock; ++j) w[j] = tail(n, k + j);
+  }
+};
+
+// fp32: nothing to decode; the GEMV streams the weights at the machine's read bandwidth (MKL's
+// sgemv reached about half of it on SmolLM2's shapes), large M goes to at::linear.
+struct F32Dec {
+  const float* q;
+  int64_t K;
+  float row_scale(int64_t) const { return 1.0f; }
+  float tail(int64_t n, int64_t k) const { return q[n * K + k]; }
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const float* p = q + n * K + k;
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(p + 8 * j);
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    for (int j = 0; j < kBlock; ++j) w[j] = q[n * K + k + j];
   }
 };
 
@@ -333,6 +351,21 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::
   return run(d, x, N, K, bias, op);
 }
 
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_fp32";
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              op, ": weight must be contiguous float32 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
+    Prepared p = prepare(x, N, K, bias, op);
+    at::Tensor out = p.bias.defined() ? at::addmm(p.bias, p.x, weight.t()) : at::mm(p.x, weight.t());
+    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  }
+  F32Dec d{weight.data_ptr<float>(), K};
+  return run(d, x, N, K, bias, op);
+}
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
   const char* op = "kiln::linear_bf16";
@@ -369,4 +402,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_fp8", &linear_fp8);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_fp32", &linear_fp32);
 }

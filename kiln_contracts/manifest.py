@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from kiln_contracts import PLAN_FORMAT_VERSION, FieldError
 
@@ -309,8 +309,6 @@ class PlanManifest(_Section):
     check: Optional[CheckSection]
     accuracy: Optional[AccuracyRecord]   # the accuracy gate's record (quantized plans)
     files: dict[str, FileEntry]      # every other file of the plan: size and sha256
-
-    VERSION: ClassVar[int] = PLAN_FORMAT_VERSION
 
     @classmethod
     def from_json(cls, data: Any) -> "PlanManifest":

@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from kiln_contracts import MANIFEST_FILE as MANIFEST, PLAN_FORMAT_VERSION as FORMAT_VERSION
+from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
 from kiln_contracts.manifest import (EngineSection, FileEntry, LimitsSection, ManifestError,
                                      ModelShape, PlanManifest, TargetSection)
 from plugins import isa as cpu_isa
@@ -86,12 +86,12 @@ def read_manifest(path: str | Path) -> PlanManifest:
     """The one reader of plan.json: PlanError for a directory that is not a plan, a manifest
     of another format version, or one with a bad field (named, in .field too)."""
     path = Path(path)
-    mpath = path / MANIFEST
+    mpath = path / MANIFEST_FILE
     if not path.is_dir():
         raise PlanError(f"{path} is not a plan directory (no such directory). "
                         "Build one with: kiln build model_specs/<spec>.yaml")
     if not mpath.is_file():
-        raise PlanError(f"{path} is not a plan: it has no {MANIFEST}. "
+        raise PlanError(f"{path} is not a plan: it has no {MANIFEST_FILE}. "
                         "Build one with: kiln build model_specs/<spec>.yaml")
     try:
         data = json.loads(mpath.read_text())
@@ -103,9 +103,9 @@ def read_manifest(path: str | Path) -> PlanManifest:
                         f"Rebuild the plan: {rebuild_command(None, path)}", "format_version")
     spec_path = data.get("spec_path") if isinstance(data.get("spec_path"), str) else None
     fix = f"kiln build {spec_path or 'model_specs/<spec>.yaml'} --force"
-    if data["format_version"] != FORMAT_VERSION:
+    if data["format_version"] != PLAN_FORMAT_VERSION:
         raise PlanError(f"plan {path} has format version {data['format_version']}; this "
-                        f"runtime reads version {FORMAT_VERSION}. Rebuild it with this kiln: "
+                        f"runtime reads version {PLAN_FORMAT_VERSION}. Rebuild it with this kiln: "
                         f"{fix}", "format_version")
     try:
         return PlanManifest.from_json(data)

@@ -132,6 +132,35 @@ def test_wrong_format_version_is_refused(tiny_plan, tmp_path):
         load_plan(bad)
 
 
+def test_corrupt_manifest_names_the_field(tiny_plan, tmp_path):
+    bad = copy_with_manifest(tiny_plan, tmp_path / "plan",
+                             lambda m: m["limits"].update(max_num_tokens="64"))
+    with pytest.raises(PlanError, match=r"limits.max_num_tokens.*expected int") as e:
+        load_plan(bad)
+    assert e.value.field == "limits.max_num_tokens"
+
+
+def test_loading_a_plan_hashes_each_file_once(tiny_plan, monkeypatch):
+    """load_plan hashes the data files, the step loader the code files as it copies them."""
+    from runtime import plan as rplan
+
+    hashed = []
+    sha256_file, verified_copy = rplan.sha256_file, rplan.verified_copy
+
+    def hash_file(f, *a):
+        hashed.append(Path(f).relative_to(tiny_plan).as_posix())
+        return sha256_file(f, *a)
+
+    def copy(path, rel, *a):
+        hashed.append(rel)
+        return verified_copy(path, rel, *a)
+    monkeypatch.setattr(rplan, "sha256_file", hash_file)
+    monkeypatch.setattr(rplan, "verified_copy", copy)
+    p = load_plan(tiny_plan)
+    Executor.from_plan(p, kv_budget_bytes=1 << 20)
+    assert sorted(hashed) == sorted(p.manifest.files)
+
+
 def test_failed_build_leaves_nothing(tmp_path):
     """A checkpoint that fails mid-build leaves no plan and no temporary directory."""
     ckpt = tmp_path / "ckpt"

@@ -4,7 +4,7 @@
     reference = eager fp32 model of the same checkpoint on the same windows   (cached)
     plan      = the compiled engine
     both scored by runtime.accuracy.evaluate (packed steps through the Executor)
-    -> ppl, ref_ppl, ppl_increase, top1_agreement -> manifest["accuracy"]; over the limit:
+    -> ppl, ref_ppl, ppl_increase, top1_agreement -> PlanManifest.accuracy; over the limit:
        BuildError (no plan is written)
 
 The reference (ppl + top-1 predictions) is cached under $XDG_CACHE_HOME/kiln/accuracy

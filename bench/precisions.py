@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from plugins.paged_kv import kv_format                         # noqa: E402
 from runtime.executor import Executor, KVLayout, ModelInput   # noqa: E402
-from runtime.plan import load_plan, load_step_fn              # noqa: E402
+from runtime.plan import load_plan, load_step_fn, read_manifest  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8", "int8", "int4")
 
@@ -87,15 +87,15 @@ def isa_spec(prec: str, isa: str) -> Path:
 
 
 def plan_row(prec: str, isa: str | None = None) -> dict:
-    m = json.loads((plan_dir(prec, isa) / "plan.json").read_text())
-    acc = m.get("accuracy") or {}
-    cfg, kv = m["model"]["config"], m["kv_cache"]["dtype"]
-    per_tok = kv_format.bytes_per_token(kv, cfg["num_layers"], cfg["num_kv_heads"],
-                                        cfg["head_dim"])
-    return {"size": sum(f["size"] for f in m["files"].values()), "kv": kv,
+    m = read_manifest(plan_dir(prec, isa))
+    acc = m.accuracy
+    shape, kv = m.model.shape, m.kv_cache.dtype
+    per_tok = kv_format.bytes_per_token(kv, shape.num_layers, shape.num_kv_heads,
+                                        shape.head_dim)
+    return {"size": m.total_bytes, "kv": kv,
             "kv_tokens_per_gib": (1 << 30) // per_tok,
-            "ppl": acc.get("ppl"), "ppl_increase": acc.get("ppl_increase"),
-            "top1": acc.get("top1_agreement"), "ref_ppl": acc.get("ref_ppl")}
+            "ppl": acc and acc.ppl, "ppl_increase": acc and acc.ppl_increase,
+            "top1": acc and acc.top1_agreement, "ref_ppl": acc and acc.ref_ppl}
 
 
 def main() -> None:
@@ -129,8 +129,7 @@ def main() -> None:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
     base = rows.get("fp32")
-    isas = {json.loads((plan_dir(p, args.isa) / "plan.json").read_text())["target"]["isa"]
-            for p in args.precisions}
+    isas = {read_manifest(plan_dir(p, args.isa)).target.isa for p in args.precisions}
     print(f"context {args.context} tokens per sequence; medians of {args.rounds} rounds; "
           f"CPU ISA level of the plans: {', '.join(sorted(isas))}")
     head = ["precision", "plan size", "x fp32", "KV", "KV tokens/GiB", "ppl", "increase",

@@ -2,7 +2,7 @@
 `for` or `async for`), gathered into a RequestResult.
 
 The engine thread delivers with `_put`; a stream read from an asyncio loop gets its outputs
-through that loop (call_soon_threadsafe), any other reader through a thread-safe queue.
+through that loop's LoopPost, any other reader through a thread-safe queue.
 """
 from __future__ import annotations
 
@@ -59,6 +59,72 @@ class RequestResult:
     stop_reason: Any = None
     error: Optional[str] = None
     logprobs: Optional[list[TokenLogprobs]] = None
+
+
+class LoopPost:
+    """Carries outputs from the engine thread into one asyncio loop, without a system call on
+    the engine thread.
+
+    call_soon_threadsafe wakes the loop by writing to a socket, and a socket write releases
+    the GIL: the loop's thread took it and ran the token's whole serving path (protobuf,
+    gRPC write) while the engine thread waited to get it back — measured with py-spy, 4.4% of
+    the engine thread's time at one stream. Here the engine thread only appends to a queue
+    (no GIL release); this post thread, woken when the engine releases the GIL for the
+    compiled step, makes the call, so the loop's work overlaps the step instead of
+    lengthening it. Outputs keep their order (one FIFO per loop)."""
+
+    _posts: dict[int, "LoopPost"] = {}
+    _posts_lock = threading.Lock()
+    IDLE_S = 5.0           # a post thread with nothing to carry this long checks its loop
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kiln-post", daemon=True).start()
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "LoopPost":
+        with cls._posts_lock:
+            post = cls._posts.get(id(loop))
+            if post is None or post.loop is not loop:
+                post = cls._posts[id(loop)] = cls(loop)
+            return post
+
+    def put(self, aq: asyncio.Queue, out: "RequestOutput") -> None:
+        self._q.put((aq, out))
+
+    def _run(self) -> None:
+        while True:
+            try:
+                batch = [self._q.get(timeout=self.IDLE_S)]
+            except queue.Empty:
+                if self.loop.is_closed() and self._retire():
+                    return
+                continue
+            while True:     # everything that arrived meanwhile goes in one wake-up
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            try:
+                self.loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:   # the loop is closed: nobody is listening any more
+                if self._retire():
+                    return
+
+    def _retire(self) -> bool:
+        """Drop this post from the registry, unless something arrived since."""
+        with self._posts_lock:
+            if not self._q.empty():
+                return False
+            if self._posts.get(id(self.loop)) is self:
+                del self._posts[id(self.loop)]
+            return True
+
+
+def _deliver(batch: list) -> None:
+    for aq, out in batch:
+        aq.put_nowait(out)
 
 
 class RequestStream:
@@ -126,6 +192,7 @@ class RequestStream:
             if self._loop is not None:
                 raise RuntimeError("a stream can be read from one asyncio loop only")
             self._loop, self._aq = loop, asyncio.Queue()
+            self._post = LoopPost.of(loop)
             while True:     # move what arrived before binding
                 try:
                     self._aq.put_nowait(self._q.get_nowait())
@@ -137,10 +204,8 @@ class RequestStream:
             if self._loop is None:
                 self._q.put(out)
                 return
-            try:
-                self._loop.call_soon_threadsafe(self._aq.put_nowait, out)
-            except RuntimeError:   # the loop is closed: nobody is listening any more
-                pass
+            if not self._loop.is_closed():   # closed: nobody is listening any more
+                self._post.put(self._aq, out)
 
 
 def _gather(stream: RequestStream, outs: list[RequestOutput]) -> RequestResult:

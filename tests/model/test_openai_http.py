@@ -232,7 +232,7 @@ def test_32_streaming_chats_a_quarter_closed_early_free_all_blocks(server):
 
     async def main():
         async with server.aclient(http_client=openai.DefaultAsyncHttpxClient(
-                limits=httpx.Limits(max_connections=64))) as c:
+                limits=httpx.Limits(max_connections=128))) as c:
             return await asyncio.gather(*(one(c, i) for i in range(32)))
 
     cancelled = server.labelled("kiln_requests_total", 'outcome="cancelled"')
@@ -338,12 +338,13 @@ def test_draining_is_503_last(server):
 
     async def main():
         async with server.aclient(http_client=openai.DefaultAsyncHttpxClient(
-                limits=httpx.Limits(max_connections=64))) as c:
-            # 64 streams, 8 at a time: seconds of work, enough to see the drain from outside
-            tasks = [asyncio.ensure_future(one(c, i)) for i in range(64)]
+                limits=httpx.Limits(max_connections=128))) as c:
+            # 128 streams, 8 at a time: seconds of work, enough to see the drain from outside
+            # (64 was not on a fast host: the drain could end before the late request)
+            tasks = [asyncio.ensure_future(one(c, i)) for i in range(128)]
             async with httpx.AsyncClient() as h:
                 deadline = time.monotonic() + 10
-                while server.http_metrics()["kiln_requests_in_flight"] < 32:
+                while server.http_metrics()["kiln_requests_in_flight"] < 96:
                     assert time.monotonic() < deadline
                     await asyncio.sleep(0.002)
                 server.proc.send_signal(signal.SIGTERM)

@@ -93,12 +93,13 @@ def test_tls_auth_and_full_queue(tiny_plan, tls_files, tmp_path):
 
 
 def test_sigterm_drains_then_cancels_and_exits_3(tiny_plan, tmp_path):
-    # two sequences at a time, so most of the 12 requests are still queued or running when
-    # the 0.5 s drain is up and get cancelled; those that finish in time finish whole
-    server = ServerProcess(tiny_plan, "--drain-seconds", "0.5", "--max-batch-size", "2",
+    # one sequence at a time, so most of the 24 requests (5,760 steps) are still queued or
+    # running when the 0.5 s drain is up and get cancelled; those that finish in time finish
+    # whole (12 requests two at a time could all finish within the drain on a fast host)
+    server = ServerProcess(tiny_plan, "--drain-seconds", "0.5", "--max-batch-size", "1",
                            log_path=tmp_path / "serve.log")
     server.wait_serving()
-    n = 12
+    n = 24
 
     async def one(stub, i):
         text, last = "", None
@@ -133,4 +134,4 @@ def test_sigterm_drains_then_cancels_and_exits_3(tiny_plan, tmp_path):
         if last.finish_reason == "length":
             assert last.usage.completion_tokens == 240 and text
     assert server.proc.wait(30) == 3, server.log()     # 3: the drain cancelled requests
-    assert "draining: 12 requests in flight" in server.log()
+    assert f"draining: {n} requests in flight" in server.log()

@@ -349,3 +349,33 @@ class PlanManifest(_Section):
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+
+@dataclass(frozen=True)
+class StoredPlan:
+    """The part of plan.json every format version has, read leniently: a plan store (kiln ci's,
+    builder/ci/store.py) keeps plans of older and newer kilns, so it reads only these; a plan
+    of this kiln's version is read whole, as a PlanManifest, by runtime/plan.read_manifest."""
+    name: Optional[str] = None
+    fingerprint: Optional[str] = None
+    created_at: str = ""
+    file_sizes: dict[str, Optional[int]] = field(default_factory=dict)  # rel -> bytes
+    fingerprint_inputs: dict = field(default_factory=dict)   # what the fingerprint hashed
+    spec: dict = field(default_factory=dict)                 # the resolved spec
+
+    @classmethod
+    def from_json(cls, data: Any) -> Optional["StoredPlan"]:
+        """None for something that is not a plan manifest at all."""
+        if not isinstance(data, dict):
+            return None
+
+        def get(key, kind, default):
+            v = data.get(key)
+            return v if isinstance(v, kind) else default
+        files = get("files", dict, {})
+        return cls(name=get("name", str, None), fingerprint=get("fingerprint", str, None),
+                   created_at=get("created_at", str, ""),
+                   file_sizes={rel: (meta.get("size") if isinstance(meta, dict) else None)
+                               for rel, meta in files.items()},
+                   fingerprint_inputs=get("fingerprint_inputs", dict, {}),
+                   spec=get("spec", dict, {}))

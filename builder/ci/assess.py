@@ -18,6 +18,7 @@ from typing import Any, Optional
 from builder.ci.store import PlanStore
 from builder.spec import Spec, SpecError, load_spec
 from builder.uptodate import quick_up_to_date
+from kiln_contracts.manifest import StoredPlan
 
 INPUTS = ("spec", "weights", "toolchain", "target")
 REUSE, BUILD, FAIL = "reuse", "build", "fail"
@@ -110,15 +111,15 @@ def _fingerprint(spec: Spec) -> tuple[Optional[str], Optional[dict], Optional[st
     return fp, inputs, None
 
 
-def diff_inputs(prev_manifest: dict, inputs: dict, spec: Spec) -> list[dict]:
+def diff_inputs(prev_manifest: StoredPlan, inputs: dict, spec: Spec) -> list[dict]:
     """Which fingerprint inputs differ from the ones the previous plan was built from."""
-    old = prev_manifest.get("fingerprint_inputs") or {}
+    old = prev_manifest.fingerprint_inputs
     out = []
     for key in INPUTS:
         if old.get(key) == inputs.get(key):
             continue
         if key == "spec":
-            detail = _diff_values(prev_manifest.get("spec") or {}, spec.canonical())
+            detail = _diff_values(prev_manifest.spec, spec.canonical())
         elif key == "weights":
             detail = f"sha256 {_short(old.get(key))} -> {_short(inputs.get(key))}"
         else:

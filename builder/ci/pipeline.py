@@ -237,8 +237,8 @@ def _verify_line(details: dict) -> str:
 
 def _reused(store: PlanStore, a: Assessment) -> SpecResult:
     res = _result(a, REUSED)
-    m = store.manifest(a.fingerprint) or {}
-    res.plan_bytes = sum(f.get("size", 0) for f in m.get("files", {}).values()) or None
+    m = store.manifest(a.fingerprint)
+    res.plan_bytes = (sum(size or 0 for size in m.file_sizes.values()) or None) if m else None
     rec = store.record(a.fingerprint) or {}
     verify = rec.get("verify") or {}
     res.accuracy = (verify.get("accuracy") or {}).get("summary")

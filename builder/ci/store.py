@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from kiln_contracts import MANIFEST_FILE as MANIFEST
+from kiln_contracts.manifest import StoredPlan
 
 
 class StoreError(RuntimeError):
@@ -76,21 +77,19 @@ class PlanStore:
     def plan_dir(self, fp: str) -> Path:
         return self.plans / fp
 
-    def manifest(self, fp: str) -> Optional[dict]:
-        """A stored plan's plan.json as plain JSON. The store keeps plans of every format
-        version (plans outlive the kiln that built them), so it reads only their
-        version-independent keys (name, fingerprint, created_at, files, fingerprint_inputs,
-        spec); a plan of this kiln's version is read typed by runtime/plan.read_manifest."""
-        return _read_json(self.plan_dir(fp) / MANIFEST)
+    def manifest(self, fp: str) -> Optional[StoredPlan]:
+        """What every format version of a stored plan's plan.json records (plans outlive the
+        kiln that built them: kiln_contracts.manifest.StoredPlan)."""
+        return StoredPlan.from_json(_read_json(self.plan_dir(fp) / MANIFEST))
 
     def has(self, fp: str) -> bool:
         """A complete plan under this fingerprint: manifest agrees, every file at its size."""
         d = self.plan_dir(fp)
         m = self.manifest(fp)
-        if m is None or m.get("fingerprint") != fp:
+        if m is None or m.fingerprint != fp:
             return False
-        return all((d / rel).is_file() and (d / rel).stat().st_size == meta.get("size")
-                   for rel, meta in m.get("files", {}).items())
+        return all((d / rel).is_file() and (d / rel).stat().st_size == size
+                   for rel, size in m.file_sizes.items())
 
     def record(self, fp: str) -> Optional[dict]:
         return _read_json(self.records / f"{fp}.json")
@@ -111,17 +110,17 @@ class PlanStore:
             return []
         return sorted(p.stem for p in self.current_dir.glob("*.json"))
 
-    def plans_of(self, name: str) -> list[tuple[str, dict]]:
+    def plans_of(self, name: str) -> list[tuple[str, StoredPlan]]:
         """(fingerprint, manifest) of every plan of this spec name, newest first."""
         found = []
         if self.plans.is_dir():
             for d in self.plans.iterdir():
-                m = _read_json(d / MANIFEST)
-                if m and m.get("name") == name:
+                m = StoredPlan.from_json(_read_json(d / MANIFEST))
+                if m and m.name == name:
                     found.append((d.name, m))
         def published(item) -> tuple:
             rec = self.record(item[0]) or {}
-            return (item[1].get("created_at", ""), rec.get("published_at", 0.0))
+            return (item[1].created_at, rec.get("published_at", 0.0))
         return sorted(found, key=published, reverse=True)
 
     # ---- writing --------------------------------------------------------------------------------

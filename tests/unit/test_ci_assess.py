@@ -6,6 +6,7 @@ import pytest
 
 from builder.ci.assess import diff_inputs
 from builder.spec import SpecError, parse_spec
+from kiln_contracts.manifest import StoredPlan
 from runtime.verify import golden_key, golden_prompts, token_agreement
 
 pytestmark = pytest.mark.unit
@@ -34,7 +35,7 @@ def test_diff_names_each_changed_input():
     old_spec = parse_spec(SPEC)
     new_spec = parse_spec(SPEC.replace("max_batch_size: 4", "max_batch_size: 2")
                           + "golden: [{prompt: hi, max_tokens: 3}]\n")
-    prev = {"spec": old_spec.canonical(), "fingerprint_inputs": INPUTS}
+    prev = StoredPlan.from_json({"spec": old_spec.canonical(), "fingerprint_inputs": INPUTS})
     new = {**INPUTS, "spec": "s2", "weights": "v" * 64,
            "toolchain": {"kiln": "0.2.0", "torch": "2.13.0"},
            "target": {**INPUTS["target"], "isa": "avx512"}}

@@ -250,12 +250,12 @@ class SchedulerSection(_Section):
 @dataclass(frozen=True)
 class EngineSection(_Section):
     """engine: the compiled step and what must be loaded before it."""
-    backend: str                          # aoti | eager
-    file: str                             # the engine, relative to the plan directory
-    kernels: tuple[str, ...] = ()         # the plugins' libraries, loaded before the engine
-    plugins: tuple[str, ...] = ("paged_kv",)   # whose ops the engine calls
-    kernel_paths: dict[str, str] = field(default_factory=dict)  # library -> its code path
-    inputs: tuple[str, ...] = ()          # the engine-step inputs, in order (DESIGN.md)
+    backend: str                     # aoti | eager
+    file: str                        # the engine, relative to the plan directory
+    kernels: tuple[str, ...]         # the plugins' libraries, loaded before the engine
+    plugins: tuple[str, ...]         # whose ops the engine calls (imported before it loads)
+    kernel_paths: dict[str, str]     # library -> the code path it was compiled to
+    inputs: tuple[str, ...]          # the engine-step inputs, in order (DESIGN.md)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,11 @@ llama.cpp's own tools on SmolLM2's Q4_1 GGUF (built from the llama-cpp-python sd
   llama-batched-bench -npl 32   S_TG: decode tokens/s with 32 parallel sequences (128 each)
 Kiln: `kiln serve PLAN` (a subprocess, as users run it) driven over gRPC by `kiln bench
 --url`'s load generator (KServe ModelStreamInfer, streaming, 128 output tokens a request,
-greedy) at concurrency 1 and 32: output tokens/s as the client receives them.
+greedy) at concurrency 1 and 32: output tokens/s as the client receives them. At 1 stream the
+compared number is the decode rate, 1 / mean TPOT (the gaps between streamed tokens after
+the first), as tg128 is llama.cpp's decode rate without a prompt; the rate with each
+request's prefill and first token included is printed too ("e2e"). The plan's compiled step
+alone is timed in this process between rounds: gRPC efficiency = decode rate x step time.
 
 Rounds alternate the two systems (llama.cpp, then Kiln, ...) so that drift in machine load
 hits both; the ratios printed are of the medians. Both use --threads threads.
@@ -69,6 +73,18 @@ def llamacpp_round(bin_dir: Path, gguf: Path, threads: int, ntg: int) -> dict:
     return {"tg1_tok_s": tg, "tg32_tok_s": rows[0]["speed_tg"]}
 
 
+def step_ms(plan: str, threads: int, context: int = 128, reps: int = 50) -> float:
+    """The plan's compiled decode step alone (one sequence, `context` tokens of context),
+    timed in this process through the runtime's Executor: the rate a server could reach."""
+    import torch
+
+    from bench.precisions import Runner
+
+    torch.set_num_threads(threads)
+    runner = Runner(ROOT / plan, context, batch=1)
+    return min(runner.time_step(1, reps) for _ in range(3)) * 1e3
+
+
 def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
     from runtime.server.loadgen import run_loadgen
 
@@ -83,9 +99,11 @@ def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
         one = run_loadgen(url, requests=4, output_len=ntg, concurrencies=(1,), print_fn=quiet)
         many = run_loadgen(url, requests=requests32, output_len=ntg, concurrencies=(32,),
                            print_fn=quiet)
-        return {"tg1_tok_s": one["levels"][0]["output_tokens_per_s"],
+        tpot = one["levels"][0]["tpot_s"]
+        return {"tg1_tok_s": 1.0 / tpot["mean"],
+                "tg1_e2e_tok_s": one["levels"][0]["output_tokens_per_s"],
                 "tg32_tok_s": many["levels"][0]["output_tokens_per_s"],
-                "tpot1_p50_ms": one["levels"][0]["tpot_s"]["p50"] * 1000}
+                "tpot1_p50_ms": tpot["p50"] * 1000}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
@@ -107,11 +125,14 @@ def main() -> None:
     for i in range(args.rounds):
         rounds["llama.cpp"].append(llamacpp_round(bin_dir, gguf, args.threads, args.ntg))
         rounds["kiln"].append(kiln_round(args.plan, args.threads, args.ntg, args.requests32))
+        rounds["kiln"][-1]["step_ms"] = step_ms(args.plan, args.threads)
         print(f"round {i + 1}: " + json.dumps(rounds), flush=True)
     med = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
            for who, rs in rounds.items()}
     ratios = {"1_stream": med["kiln"]["tg1_tok_s"] / med["llama.cpp"]["tg1_tok_s"],
-              "32_streams": med["kiln"]["tg32_tok_s"] / med["llama.cpp"]["tg32_tok_s"]}
+              "1_stream_e2e": med["kiln"]["tg1_e2e_tok_s"] / med["llama.cpp"]["tg1_tok_s"],
+              "32_streams": med["kiln"]["tg32_tok_s"] / med["llama.cpp"]["tg32_tok_s"],
+              "grpc_efficiency": med["kiln"]["tg1_tok_s"] * med["kiln"]["step_ms"] / 1e3}
     from plugins.isa import cpu_flags, host_level
 
     report = {"date": time.strftime("%Y-%m-%d"), "plan": args.plan, "gguf": gguf.name,
@@ -119,9 +140,12 @@ def main() -> None:
               "cpu": platform.processor() or platform.machine(),
               "host_isa": host_level(cpu_flags()).name}
     print(f"{'':12} {'llama.cpp':>10} {'kiln':>10} {'ratio':>7}")
-    for key, label in (("tg1_tok_s", "1 stream"), ("tg32_tok_s", "32 streams")):
-        a, b = med["llama.cpp"][key], med["kiln"][key]
+    for key, label in (("tg1_tok_s", "1 stream"), ("tg1_e2e_tok_s", "1 stream e2e"),
+                       ("tg32_tok_s", "32 streams")):
+        a, b = med["llama.cpp"][key.replace("_e2e", "")], med["kiln"][key]
         print(f"{label:12} {a:10.1f} {b:10.1f} {b / a:6.2f}x   tok/s")
+    print(f"kiln compiled step {med['kiln']['step_ms']:.2f} ms ({1e3 / med['kiln']['step_ms']:.0f}"
+          f" steps/s); single-stream decode over gRPC {ratios['grpc_efficiency']:.0%} of it")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

@@ -1,7 +1,7 @@
 """The plan fingerprint: a hash of everything that determines a plan.
 
-Inputs: the canonical spec, a digest of the source weights, the kiln and torch versions,
-and the target (device, CPU arch and ISA, or compute capability). Same fingerprint = same
+Inputs: the canonical spec, a digest of the source weights, the kiln and torch versions and
+a digest of the plan-making code, and the target (device, CPU arch and ISA, or compute capability). Same fingerprint = same
 plan; any change = rebuild. `fingerprint_inputs` is returned alongside so a report can say
 *which* input changed.
 """
@@ -36,7 +36,9 @@ def build_target(spec: Spec) -> dict:
 
 
 def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = None,
-                       tools: dict | None = None) -> dict:
+                       tools: dict | None = None, code: str | None = None) -> dict:
+    from builder.uptodate import code_digest
+
     tools = tools or toolchain()
     target = target or build_target(spec)
     spec_data = spec.canonical()
@@ -50,7 +52,10 @@ def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = No
         "spec": hashlib.sha256(json.dumps(spec_data, sort_keys=True).encode()).hexdigest(),
         "weights": weights_digest,
         # python is not an input: neither the compiled engine nor the kernels embed it
-        "toolchain": {"kiln": tools["kiln"], "torch": tools["torch"]},
+        # code: the builder's, plugins' and contract's sources (builder/uptodate.code_digest):
+        # an edited builder or kernel rebuilds plans even at the same version number
+        "toolchain": {"kiln": tools["kiln"], "torch": tools["torch"],
+                      "code": code or code_digest()},
         "target": {k: target.get(k) for k in ("device", "arch", "isa", "isa_flags", "cpu_features",
                                               "compute_capability")},
     }

@@ -3,7 +3,7 @@
 The fingerprint needs the weights digest and the compile target, which cost seconds to
 compute (hashing, importing torch). A plan therefore also records a *quick key*: a hash of
 the resolved spec, the source files' paths, sizes and mtimes, the kiln and torch versions
-(from package metadata) and this CPU's flags. When the quick key matches, nothing that
+(from package metadata), the digest of the plan-making code and this CPU's flags. When the quick key matches, nothing that
 determines the fingerprint can have changed, so the plan is up to date; when it does not,
 `kiln build` computes the real fingerprint (a touched but unchanged file still matches it).
 """
@@ -57,6 +57,24 @@ def _cpu_flags_digest() -> str:
     return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()
 
 
+# The code that decides a plan's bytes: the builder, the plugins (their Python, and the C++
+# compiled into the plan) and the plan contract. A change to any of it is a new toolchain,
+# even without a version bump, so no cache serves a plan an older builder made.
+PLAN_CODE = ("builder", "plugins", "kiln_contracts")
+PLAN_CODE_SUFFIXES = (".py", ".cpp", ".h")
+
+
+def code_digest() -> str:
+    """sha256 over the plan-making source files (paths relative to the checkout, contents)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for top in PLAN_CODE:
+        for f in sorted((root / top).rglob("*")):
+            if f.suffix in PLAN_CODE_SUFFIXES and f.is_file() and "__pycache__" not in f.parts:
+                h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def quick_key(spec: Spec) -> str | None:
     """A cheap key that changes whenever any fingerprint input may have changed."""
     files = _source_files(spec.model.source)
@@ -76,7 +94,7 @@ def quick_key(spec: Spec) -> str | None:
     except metadata.PackageNotFoundError:
         return None
     data = {"spec": spec.canonical(), "files": stats, "kiln": KILN_VERSION,
-            "torch": torch_version, "cpu": _cpu_flags_digest(),
+            "code": code_digest(), "torch": torch_version, "cpu": _cpu_flags_digest(),
             "format": PLAN_FORMAT_VERSION}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

@@ -218,6 +218,19 @@ def test_fingerprint_changes_with_every_input(tiny_spec_path):
     assert fingerprint(fingerprint_inputs(spec, "w" * 64, target=other_target)) != fp
     tools = {"kiln": "9.9.9", "torch": torch.__version__, "python": "3.11"}
     assert fingerprint(fingerprint_inputs(spec, "w" * 64, tools=tools)) != fp
+    assert fingerprint(fingerprint_inputs(spec, "w" * 64, code="c" * 64)) != fp   # edited code
+
+
+def test_edited_plan_code_is_not_up_to_date(tiny_spec_path, monkeypatch):
+    """The quick key and the fingerprint follow the builder's and plugins' sources: an edited
+    kernel or builder rebuilds plans at the same version number (no stale cache)."""
+    from builder import uptodate
+
+    spec = load_spec(tiny_spec_path)
+    key, fp = uptodate.quick_key(spec), fingerprint(fingerprint_inputs(spec, "w" * 64))
+    monkeypatch.setattr(uptodate, "code_digest", lambda: "e" * 64)
+    assert uptodate.quick_key(spec) != key
+    assert fingerprint(fingerprint_inputs(spec, "w" * 64)) != fp
 
 
 def test_cli_inspect(tiny_plan):

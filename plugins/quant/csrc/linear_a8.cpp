@@ -4,11 +4,11 @@
 //   xq = round_half_even(x / sx), sx = max|x[m]| / 127 (per row, at run time);
 //   wq, sw: the int8 per-output-channel weights of linear_int8.
 //
-// The dot products are integer (exact in int32: K * 127 * 127 < 2^31 for K < 133,000), on
+// The dot products are integer (exact in int32: K * 255 * 127 < 2^31 for K < 66,000), on
 // the widest int8 instructions the compile flags allow:
-//   AVX-512 VNNI: vpdpbusd (u8 x s8 -> s32, 64 products per instruction). x is offset to
-//     u8 (xq + 128) once per row; the 128 * sum_k wq[n, k] it adds is removed with the row
-//     sums of w, accumulated by the same instruction against a vector of ones.
+//   AVX-512 VNNI: vpdpbusd (u8 x s8 -> s32, 64 products per instruction). The weights are
+//     offset to u8 (wq ^ 0x80) as they load; the 128 * sum_k xq[m, k] this adds is removed
+//     with one sum per row of x.
 //   AVX2 (also the avx512 level without VNNI): vpmaddubsw on |xq| (u8) and wq with xq's sign
 //     (vpsignb; |products| <= 2 * 127 * 127, no saturation), then vpmaddwd into s32.
 //   otherwise: scalar int32 loops (same integers, same result).
@@ -73,7 +73,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* s) {
 // acc[r][j] = sum_k xq[m0 + r, k] * wq[n0 + j, k] for r < mr, j < nr.
 struct Tile {
   const int8_t* xq;    // [M, K] quantized activations
-  const uint8_t* xu;   // [M, K] xq + 128 (VNNI) or |xq| (AVX2); unused by the scalar path
+  const uint8_t* xu;   // [M, K] |xq| (AVX2 only)
+  const int32_t* xsum; // [M] sum of xq[m, :K - K % 64] (VNNI only)
   const int8_t* wq;    // [N, K]
   int64_t K;
 };
@@ -96,39 +97,32 @@ inline __m128i hsum4x512(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
   return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
 }
 
-// With WSUM, also the row sums of the four weight rows (needed once per weight tile: the
-// first row block of x computes them, the others reuse them).
-template <int MR, bool WSUM>
-inline void tile_vnni(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB],
-                      int32_t wsum[kNB]) {
+// The weights go in as the unsigned operand, offset by 128 (w ^ 0x80 = w + 128 in u8), and
+// x as the signed one: sum_k (w + 128) x = sum_k w x + 128 sum_k x, so one sum of x per row
+// of x (t.xsum) removes the offset. (Offsetting x instead needs the weight rows' sums, one
+// more vpdpbusd per weight vector on every call: measured 0.83 ms for SmolLM2's lm_head.)
+// |(w + 128) x| <= 255 * 127, so the int32 sums are exact for K < 66,000.
+template <int MR>
+inline void tile_vnni(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB]) {
   const int64_t K = t.K, K64 = K - K % 64;
-  __m512i a[MR][kNB], ws[kNB];
-  for (int j = 0; j < kNB; ++j) {
-    ws[j] = _mm512_setzero_si512();
+  __m512i a[MR][kNB];
+  for (int j = 0; j < kNB; ++j)
     for (int r = 0; r < MR; ++r) a[r][j] = _mm512_setzero_si512();
-  }
-  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t k = 0; k < K64; k += 64) {
     __m512i w[kNB];
-    for (int j = 0; j < kNB; ++j) {
-      w[j] = _mm512_loadu_si512(t.wq + (n0 + j) * K + k);
-      if (WSUM) ws[j] = _mm512_dpbusd_epi32(ws[j], ones, w[j]);
-    }
+    for (int j = 0; j < kNB; ++j)
+      w[j] = _mm512_xor_si512(_mm512_loadu_si512(t.wq + (n0 + j) * K + k), flip);
     for (int r = 0; r < MR; ++r) {
-      const __m512i xv = _mm512_loadu_si512(t.xu + (m0 + r) * K + k);
-      for (int j = 0; j < kNB; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], xv, w[j]);
+      const __m512i xv = _mm512_loadu_si512(t.xq + (m0 + r) * K + k);
+      for (int j = 0; j < kNB; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], w[j], xv);
     }
-  }
-  if (WSUM) {
-    alignas(16) int32_t s[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(s), hsum4x512(ws[0], ws[1], ws[2], ws[3]));
-    for (int j = 0; j < kNB; ++j) wsum[j] = s[j];
   }
   for (int r = 0; r < MR; ++r) {
     alignas(16) int32_t s[4];
     _mm_store_si128(reinterpret_cast<__m128i*>(s), hsum4x512(a[r][0], a[r][1], a[r][2], a[r][3]));
     for (int j = 0; j < kNB; ++j)
-      acc[r][j] = s[j] - 128 * wsum[j] +
+      acc[r][j] = s[j] - 128 * t.xsum[m0 + r] +
                   dot_scalar(t.xq + (m0 + r) * K, t.wq + (n0 + j) * K, K64, K);
   }
 }
@@ -175,13 +169,9 @@ inline void tile_avx2(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kN
 #endif
 
 template <int MR>
-inline void tile(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB],
-                 int32_t wsum[kNB]) {
+inline void tile(const Tile& t, int64_t m0, int64_t n0, int32_t acc[kMB][kNB]) {
 #if KILN_A8_VNNI
-  if (m0 == 0)
-    tile_vnni<MR, true>(t, m0, n0, acc, wsum);
-  else
-    tile_vnni<MR, false>(t, m0, n0, acc, wsum);
+  tile_vnni<MR>(t, m0, n0, acc);
 #elif KILN_A8_AVX2
   tile_avx2<MR>(t, m0, n0, acc);
 #else
@@ -199,7 +189,7 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
               op, ": qweight must be contiguous int8 [N, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), N = qweight.size(0);
   TORCH_CHECK(qweight.size(1) == K, op, ": x has K=", K, " but the weight has K=", qweight.size(1));
-  TORCH_CHECK(K < 133000, op, ": K=", K, " could overflow the int32 dot products");
+  TORCH_CHECK(K < 66000, op, ": K=", K, " could overflow the int32 dot products");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               op, ": scales must be contiguous float32 [N]");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, op,
@@ -214,16 +204,22 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   if (M == 0 || N == 0) return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 
   std::vector<int8_t> xq(M * K);
-  std::vector<uint8_t> xu(M >= kIntMmMinM ? 0 : M * K);   // only the own kernel reads it
+  // what the own kernel (below kIntMmMinM rows) reads besides xq
+  std::vector<uint8_t> xu(M < kIntMmMinM && KILN_A8_AVX2 ? M * K : 0);
+  std::vector<int32_t> xsum(M < kIntMmMinM && KILN_A8_VNNI ? M : 0);
   std::vector<float> sx(M);
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
                    [&](int64_t m0, int64_t m1) {
     quantize_rows(xp + m0 * K, m1 - m0, K, xq.data() + m0 * K, sx.data() + m0);
   });
-  for (int64_t i = 0; i < int64_t(xu.size()); ++i)
-    xu[i] = KILN_A8_VNNI ? uint8_t(int(xq[i]) + 128) : uint8_t(std::abs(int(xq[i])));
-  const Tile t{xq.data(), xu.data(), qweight.data_ptr<int8_t>(), K};
+  for (int64_t i = 0; i < int64_t(xu.size()); ++i) xu[i] = uint8_t(std::abs(int(xq[i])));
+  for (int64_t m = 0; m < int64_t(xsum.size()); ++m) {
+    int32_t sum = 0;
+    for (int64_t k = 0; k < K - K % 64; ++k) sum += xq[m * K + k];
+    xsum[m] = sum;
+  }
+  const Tile t{xq.data(), xu.data(), xsum.data(), qweight.data_ptr<int8_t>(), K};
   const float* sw = scales.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
@@ -242,7 +238,7 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   const int64_t nblocks = (N + kNB - 1) / kNB;
   at::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
                    [&](int64_t b0, int64_t b1) {
-    int32_t acc[kMB][kNB], wsum[kNB] = {0, 0, 0, 0};
+    int32_t acc[kMB][kNB];
     for (int64_t nb = b0; nb < b1; ++nb) {
       const int64_t n0 = nb * kNB;
       if (n0 + kNB > N) {   // last partial block of weight rows: scalar
@@ -255,10 +251,10 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
       for (int64_t m0 = 0; m0 < M; m0 += kMB) {
         const int64_t mr = std::min(kMB, M - m0);
         switch (mr) {
-          case 4: tile<4>(t, m0, n0, acc, wsum); break;
-          case 3: tile<3>(t, m0, n0, acc, wsum); break;
-          case 2: tile<2>(t, m0, n0, acc, wsum); break;
-          default: tile<1>(t, m0, n0, acc, wsum); break;
+          case 4: tile<4>(t, m0, n0, acc); break;
+          case 3: tile<3>(t, m0, n0, acc); break;
+          case 2: tile<2>(t, m0, n0, acc); break;
+          default: tile<1>(t, m0, n0, acc); break;
         }
         for (int64_t r = 0; r < mr; ++r)
           for (int64_t j = 0; j < kNB; ++j) {

@@ -1,0 +1,76 @@
+"""The quant plugin's linear kernels side by side on SmolLM2's shapes (README "Precisions").
+
+    python bench/linear_kernels.py [--threads 1] [--rows 1 4 32 64 128 512]
+
+W4A8 (kiln::linear_int4_a8) vs W8A8 (kiln::linear_int8_a8: own GEMV below 4 rows, oneDNN's
+_int_mm from 4) per shape and number of rows of x, weights in cache (one matrix, timed
+repeatedly: kernel speed, not memory bandwidth). Then the streaming read: 30 distinct
+w13-sized matrices (more than the caches) at one row of x, fp32 through BLAS (F.linear,
+MKL's sgemv) vs kiln::linear_fp32 and kiln::linear_bf16, as GB/s of weights read.
+Best of 5-7 repetitions each (the machines are shared; the minimum is the least disturbed).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plugins.quant import formats, kernels, ops   # noqa: E402
+
+SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]   # w13, w2, wqkv, wo
+
+
+def best_us(fn, n: int, reps: int = 7) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return best * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 64, 128, 512])
+    args = ap.parse_args()
+    kernels.load()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    print(f"{args.threads} thread(s); weights in cache; best of 7")
+    print(f"{'shape':>10} {'rows':>5} {'W8A8 us':>9} {'W4A8 us':>9} {'W4A8 speed-up':>14}")
+    for n, k in SHAPES:
+        w = torch.randn(n, k, generator=g)
+        q8, q4 = formats.quantize(w, "int8"), formats.quantize(w, "int4_a8")
+        for m in args.rows:
+            x = torch.randn(m, k, generator=g)
+            reps = max(2, 2000 // m)
+            a = best_us(lambda: ops.quant_linear(x, q8, None, activations="int8"), reps)
+            b = best_us(lambda: ops.quant_linear(x, q4, None, activations="int8"), reps)
+            print(f"{n:>5}x{k:<4} {m:>5} {a:9.1f} {b:9.1f} {a / b:13.2f}x")
+
+    layers = 30
+    ws = [torch.randn(3072, 576, generator=g) for _ in range(layers)]
+    wb = [w.bfloat16() for w in ws]
+    x = torch.randn(1, 576, generator=g)
+    runs = {"fp32 F.linear (MKL sgemv)": (lambda: [F.linear(x, w) for w in ws], 4),
+            "fp32 kiln::linear_fp32": (lambda: [torch.ops.kiln.linear_fp32(x, w, None)
+                                                 for w in ws], 4),
+            "bf16 kiln::linear_bf16": (lambda: [torch.ops.kiln.linear_bf16(x, w, None)
+                                                 for w in wb], 2)}
+    print(f"\nstreaming read: {layers} matrices 3072x576 ({layers * 3072 * 576 * 4 / 2**20:.0f} "
+          "MiB fp32), one row of x")
+    for name, (fn, nbytes) in runs.items():
+        t = best_us(fn, 1, reps=5) / 1e6
+        print(f"  {name:28} {t * 1e3:6.2f} ms  {layers * 3072 * 576 * nbytes / t / 1e9:5.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,7 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
                        f"hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
                        f"{cfg.num_kv_heads} kv, vocab {cfg.vocab_size})"),
         ("precision", f"weights {prec.weights}, kv cache {prec.kv_cache}, "
-                      f"activations {prec.activations}"),
+                      f"activations {prec.activations}" + _scheme(prec.quantization)),
         ("target", f"{target}, backend {m.engine.backend}"),
         *([("cpu features", " ".join(tgt.cpu_features))] if tgt.cpu_features else []),
         *[("kernel", f"{lib}: {code_path}") for lib, code_path in
@@ -69,3 +69,12 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
         rows.append(("check", f"compiled vs eager max logit diff {m.check.max_logit_diff:.2e}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def _scheme(q: dict) -> str:
+    """The quantizer's format, group and method, where they say more than the weights dtype
+    (int4_a8: the W4A8 kernel's format; an int4 group size; awq / smoothquant)."""
+    parts = [q["scheme"]] if q.get("scheme") not in (None, q.get("weights")) else []
+    parts += [f"group {q['group_size']}"] if q.get("group_size") else []
+    parts += [q["method"]] if q.get("method") not in (None, "rtn", "none") else []
+    return f" ({', '.join(parts)})" if parts else ""

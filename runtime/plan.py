@@ -97,12 +97,12 @@ def read_manifest(path: str | Path) -> PlanManifest:
         data = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{mpath} is corrupt (not valid JSON: {e}). "
-                        f"Rebuild the plan: {rebuild_command(None, path)}") from None
+                        f"Rebuild the plan: {rebuild_command(None)}") from None
     if not isinstance(data, dict) or "format_version" not in data:
         raise PlanError(f"{mpath} is not a Kiln plan manifest (no format_version). "
-                        f"Rebuild the plan: {rebuild_command(None, path)}", "format_version")
+                        f"Rebuild the plan: {rebuild_command(None)}", "format_version")
     spec_path = data.get("spec_path") if isinstance(data.get("spec_path"), str) else None
-    fix = f"kiln build {spec_path or 'model_specs/<spec>.yaml'} --force"
+    fix = rebuild_command(spec_path)
     if data["format_version"] != PLAN_FORMAT_VERSION:
         raise PlanError(f"plan {path} has format version {data['format_version']}; this "
                         f"runtime reads version {PLAN_FORMAT_VERSION}. Rebuild it with this kiln: "
@@ -114,9 +114,9 @@ def read_manifest(path: str | Path) -> PlanManifest:
                         f"Rebuild the plan: {fix}", e.field) from None
 
 
-def rebuild_command(manifest: Optional[PlanManifest], path: Path) -> str:
-    spec = (manifest.spec_path if manifest else None) or "model_specs/<spec>.yaml"
-    return f"kiln build {spec} --force"
+def rebuild_command(spec_path: Optional[str]) -> str:
+    """The command that rebuilds a plan from its spec (a placeholder when it is not known)."""
+    return f"kiln build {spec_path or 'model_specs/<spec>.yaml'} --force"
 
 
 def machine_target() -> dict:
@@ -135,7 +135,7 @@ def check_target(target: TargetSection, path: Path, machine: dict | None = None,
     the plan was built from and its target.isa (for the fix the message suggests)."""
     machine = machine or machine_target()
     spec = spec_path or "model_specs/<spec>.yaml"
-    fix = f"kiln build {spec} --force"
+    fix = rebuild_command(spec_path)
     if target.arch and target.arch != machine["arch"]:
         raise PlanError(f"plan {path} was compiled for {target.arch} CPUs; this machine is "
                         f"{machine['arch']}. Rebuild it here: {fix}")
@@ -171,7 +171,7 @@ def check_toolchain(manifest: PlanManifest, path: Path) -> None:
         raise PlanError(f"plan {path} was compiled with torch {built}; this runtime has torch "
                         f"{torch.__version__}, and compiled engines only run on the torch they "
                         f"were built with. Install torch=={built}, or rebuild: "
-                        f"{rebuild_command(manifest, path)}", "toolchain.torch")
+                        f"{rebuild_command(manifest.spec_path)}", "toolchain.torch")
 
 
 # The plugins a plan's engine may name (imported for their op schemas before it loads).
@@ -192,7 +192,7 @@ def confined(path: Path, rel: object, what: str) -> Path:
         raise PlanError(f"plan {path} is refused: its manifest's {what} {rel!r} is not a path "
                         "inside the plan directory (absolute, '..' or a link out of it). A plan "
                         "runs its compiled code: load plans only from a trusted store. Rebuild: "
-                        f"{rebuild_command(None, path)}", what)
+                        f"{rebuild_command(None)}", what)
     return f
 
 
@@ -211,19 +211,19 @@ def check_engine_entries(manifest: PlanManifest, path: Path) -> None:
         if rel not in files:
             raise PlanError(f"plan {path} is refused: {what} {rel!r} is not among the files the "
                             "manifest checksums, so its bytes cannot be verified. Rebuild: "
-                            f"{rebuild_command(manifest, path)}", what)
+                            f"{rebuild_command(manifest.spec_path)}", what)
     unknown = [n for n in engine.plugins if n not in KNOWN_PLUGINS]
     if unknown:
         raise PlanError(f"plan {path} is refused: its engine names plugins {unknown}; this "
                         f"runtime has {', '.join(KNOWN_PLUGINS)}. Rebuild: "
-                        f"{rebuild_command(manifest, path)}", "engine.plugins")
+                        f"{rebuild_command(manifest.spec_path)}", "engine.plugins")
 
 
 def check_files(manifest: PlanManifest, path: Path) -> None:
     """Every file is there at its size; the data files match their sha256. The code files
     (engine, kernels) are hashed by load_step_fn as it copies them: once, on the bytes it
     loads."""
-    fix = rebuild_command(manifest, path)
+    fix = rebuild_command(manifest.spec_path)
     code = set(code_files(manifest.engine))
     for rel, meta in manifest.files.items():
         f = confined(path, rel, "files entry")
@@ -276,7 +276,7 @@ def load_step_fn(plan: Plan) -> StepFn:
     """Load the plan's kernels, then its compiled engine, each verified against its sha256
     as it is copied; returns the step callable (see load_engine)."""
     return load_engine(plan.path, plan.manifest.engine, plan.manifest.files,
-                       rebuild_command(plan.manifest, plan.path))
+                       rebuild_command(plan.manifest.spec_path))
 
 
 def load_engine(path: Path, engine: EngineSection,

@@ -177,17 +177,24 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
             out.weight = emb
         head = out
     all_q = dict(linears, **({"output": head} if head is not None else {}))
-    gs = (_resolve_group_size(group_size, all_q)
-          if weights == "int4" and activations != "int8" else None)
+    # W4A8: the int4 linears take the interleaved group-minimum format of the W4A8 kernel
+    # (round-to-nearest: a Q4_1 GGUF's weights come back exactly); the head stays int8 W8A8.
+    layer_scheme = "int4_a8" if weights == "int4" and activations == "int8" else weights
+    gs = (formats.INT4_A8_GROUP if layer_scheme == "int4_a8" else
+          _resolve_group_size(group_size, all_q) if weights == "int4" else None)
+    # what calibration inputs are for: AWQ scales (int4 weight-only), SmoothQuant (W8A8)
+    calibrated = ("awq" if layer_scheme == "int4" else
+                  "smoothquant" if layer_scheme == "int8" and activations == "int8" else None)
 
     acts: dict[str, torch.Tensor] = {}
-    method = "rtn"
-    if calibration is not None and (weights == "int4" or activations == "int8"):
+    method = "none" if weights == "fp32" else "rtn"   # fp32: the linears run the plugin's GEMV
+    if calibration is not None and calibrated:
         acts = (dict(calibration) if isinstance(calibration, Mapping)
                 else collect_inputs(model, linears, calibration))
-        method = "awq" if weights == "int4" else "smoothquant"
-    report = {"weights": weights, "scheme": weights, "group_size": gs, "method": method,
-              "activations": ("int8-per-token-dynamic" if activations == "int8" else "float"),
+        method = calibrated
+    report = {"weights": weights, "scheme": layer_scheme, "group_size": gs, "method": method,
+              "activations": ("int8-per-group-32-dynamic" if layer_scheme == "int4_a8" else
+                              "int8-per-token-dynamic" if activations == "int8" else "float"),
               "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
               "embedding": ("float" if EMBED in keep else
                             weights if weights in ("bf16", "fp32") else "int8-per-row"),
@@ -196,8 +203,6 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         report["fp8_compute"] = "upcast-fp32"
     if weights == "bf16":  # stored bf16, multiplied in float32 (no bf16 FMA on AVX2)
         report["bf16_compute"] = "upcast-fp32"
-    if weights == "fp32":  # nothing quantized: the linears run the plugin's streaming GEMV
-        report["method"] = "none"
     qemb = None
     if EMBED not in keep:
         emb = model.tok_embeddings
@@ -205,16 +210,9 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
                                              else "int8")
         report["bytes_before"] += emb.weight.numel() * emb.weight.element_size()
         report["bytes_after"] += sum(b.numel() * b.element_size() for b in qemb.buffers())
-    if calibration is not None and weights != "int4" and activations != "int8":
-        report["calibration"] = ("not used: AWQ scale search applies to int4 only, "
-                                 "SmoothQuant to int8 activations")
-    # W4A8: the int4 linears take the interleaved group-minimum format of the W4A8 kernel
-    # (round-to-nearest: a Q4_1 GGUF's weights come back exactly); the head stays int8 W8A8.
-    layer_scheme = "int4_a8" if weights == "int4" and activations == "int8" else weights
-    if layer_scheme == "int4_a8":
-        gs, acts = formats.INT4_A8_GROUP, {}
-        report.update(scheme="int4_a8", group_size=gs, method="rtn",
-                      activations="int8-per-group-32-dynamic")
+    if calibration is not None and not calibrated:
+        report["calibration"] = ("not used: AWQ scale search applies to int4 weight-only, "
+                                 "SmoothQuant to int8 weights with int8 activations")
     for name, lin in all_q.items():
         scale, alpha = None, None
         if name in acts and activations == "int8":

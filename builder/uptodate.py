@@ -9,6 +9,7 @@ determines the fingerprint can have changed, so the plan is up to date; when it 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -64,8 +65,10 @@ PLAN_CODE = ("builder", "plugins", "kiln_contracts")
 PLAN_CODE_SUFFIXES = (".py", ".cpp", ".h")
 
 
+@functools.cache
 def code_digest() -> str:
-    """sha256 over the plan-making source files (paths relative to the checkout, contents)."""
+    """sha256 over the plan-making source files (paths relative to the checkout, contents);
+    read once a process (a build asks for it in the quick key and in the fingerprint)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for top in PLAN_CODE:

@@ -359,8 +359,11 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
   const int64_t N = weight.size(0), K = weight.size(1);
   if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
     Prepared p = prepare(x, N, K, bias, op);
-    at::Tensor out = p.bias.defined() ? at::addmm(p.bias, p.x, weight.t()) : at::mm(p.x, weight.t());
-    return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+    if (p.bias.defined())
+      at::addmm_out(p.out, p.bias, p.x, weight.t());
+    else
+      at::mm_out(p.out, p.x, weight.t());
+    return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
   }
   F32Dec d{weight.data_ptr<float>(), K};
   return run(d, x, N, K, bias, op);

@@ -249,33 +249,42 @@ def test_int8_activations_need_int8_or_int4_group_32(precision, path, message):
     assert any(p == path and message in m for p, m in e.value.problems), e.value.problems
 
 
+def _built(tmp_path, name: str, precision: dict, accuracy: dict | None = None):
+    """Build (or find up to date) the tiny plan `name` with these precision/accuracy settings
+    -> (plan dir, its plan.json)."""
+    spec = write_spec(tmp_path, tiny_spec(name, precision, accuracy))
+    plan = build(spec, TEST_PLANS / name, progress=Progress(enabled=False)).path
+    return plan, json.loads((plan / "plan.json").read_text())
+
+
+def _greedy_tokens(plan, n: int) -> int:
+    """How many tokens the plan's engine generates for a prompt asked for n (eos ignored)."""
+    with Engine.from_plan(load_plan(plan)) as eng:
+        res = eng.generate(["hello world"], SamplingParams(max_tokens=n, temperature=0.0,
+                                                      ignore_eos=True))[0]
+    return len(res.token_ids)
+
+
 def test_w4a8_plan_keeps_group_minimums_gates_and_generates(tmp_path):
     """int4 weights + int8 activations (W4A8): every layer linear runs kiln::linear_int4_a8 on
     the interleaved group-minimum format, the tied head W8A8 on the embedding's int8 table;
     the gate passes, the plan serves."""
-    path = write_spec(tmp_path, tiny_spec("tiny-w4a8", {"weights": "int4", "activations": "int8",
-                                                        "keep_high_precision": []}))
-    plan = build(path, TEST_PLANS / "tiny-w4a8", progress=Progress(enabled=False)).path
-    m = json.loads((plan / "plan.json").read_text())
+    plan, m = _built(tmp_path, "tiny-w4a8", {"weights": "int4", "activations": "int8",
+                                             "keep_high_precision": []})
     q = m["precision"]["quantization"]
     assert q["scheme"] == "int4_a8" and q["group_size"] == 32 and q["method"] == "rtn"
     assert q["activations"] == "int8-per-group-32-dynamic" and "int8" in q["lm_head"]
     assert m["accuracy"]["passed"]
     assert "w4a8" in next(v for k, v in m["engine"]["kernel_paths"].items() if "quant" in k)
-    with Engine.from_plan(load_plan(plan)) as eng:
-        res = eng.generate(["hello world"], SamplingParams(max_tokens=8, temperature=0.0,
-                                                      ignore_eos=True))[0]
-    assert len(res.token_ids) == 8
+    assert _greedy_tokens(plan, 8) == 8
 
 
 def test_w8a8_plan_smooths_gates_and_generates(tmp_path):
     """int8 weights + int8 activations (W8A8) with SmoothQuant calibration: every linear runs
     kiln::linear_int8_a8, the gate passes, the plan serves."""
-    path = write_spec(tmp_path, tiny_spec("tiny-w8a8", {"weights": "int8", "activations": "int8",
-                                                        "keep_high_precision": []},
-                                          {"calibration_text": "pydoc"}))
-    plan = build(path, TEST_PLANS / "tiny-w8a8", progress=Progress(enabled=False)).path
-    m = json.loads((plan / "plan.json").read_text())
+    plan, m = _built(tmp_path, "tiny-w8a8", {"weights": "int8", "activations": "int8",
+                                             "keep_high_precision": []},
+                     {"calibration_text": "pydoc"})
     q = m["precision"]["quantization"]
     assert m["precision"]["activations"] == "int8"
     assert q["activations"] == "int8-per-token-dynamic" and q["method"] == "smoothquant"
@@ -283,10 +292,7 @@ def test_w8a8_plan_smooths_gates_and_generates(tmp_path):
                                       if n not in ("output", "tok_embeddings")}
     assert m["accuracy"]["passed"]
     assert "w8a8" in next(v for k, v in m["engine"]["kernel_paths"].items() if "quant" in k)
-    with Engine.from_plan(load_plan(plan)) as eng:
-        res = eng.generate(["hello world"], SamplingParams(max_tokens=8, temperature=0.0,
-                                                      ignore_eos=True))[0]
-    assert len(res.token_ids) == 8
+    assert _greedy_tokens(plan, 8) == 8
 
 
 def test_fp32_plans_skip_the_gate_unless_asked():

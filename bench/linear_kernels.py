@@ -58,19 +58,31 @@ def main() -> None:
 
     layers = 30
     ws = [torch.randn(3072, 576, generator=g) for _ in range(layers)]
-    wb = [w.bfloat16() for w in ws]
     x = torch.randn(1, 576, generator=g)
-    runs = {"fp32 F.linear (MKL sgemv)": (lambda: [F.linear(x, w) for w in ws], 4),
+
+    def packed(scheme, gs=None, activations="float"):
+        qws = [formats.quantize(w, scheme, gs) for w in ws]
+        nbytes = sum(t.nbytes for q in qws for t in (q.qweight, q.scales, q.zeros)
+                     if t is not None)
+        return lambda: [ops.quant_linear(x, q, None, activations=activations) for q in qws], nbytes
+
+    wb = [w.bfloat16() for w in ws]
+    runs = {"fp32 F.linear (MKL sgemv)": (lambda: [F.linear(x, w) for w in ws], 4 * ws[0].numel() * layers),
             "fp32 kiln::linear_fp32": (lambda: [torch.ops.kiln.linear_fp32(x, w, None)
-                                                 for w in ws], 4),
+                                                 for w in ws], 4 * ws[0].numel() * layers),
             "bf16 kiln::linear_bf16": (lambda: [torch.ops.kiln.linear_bf16(x, w, None)
-                                                 for w in wb], 2)}
-    print(f"\nstreaming read: {layers} matrices 3072x576 ({layers * 3072 * 576 * 4 / 2**20:.0f} "
-          "MiB fp32), one row of x")
+                                                 for w in wb], 2 * ws[0].numel() * layers),
+            "int8 kiln::linear_int8": packed("int8"),
+            "fp8 kiln::linear_fp8": packed("fp8"),
+            "int4 g32 kiln::linear_int4": packed("int4", 32),
+            "int4 g64 kiln::linear_int4": packed("int4", 64),
+            "W8A8 kiln::linear_int8_a8": packed("int8", activations="int8"),
+            "W4A8 kiln::linear_int4_a8": packed("int4_a8", activations="int8")}
+    print(f"\nstreaming read: {layers} matrices 3072x576 (more than the caches), one row of x; "
+          "GB/s of packed weight bytes (codes, scales, zeros or mins)")
     for name, (fn, nbytes) in runs.items():
         t = best_us(fn, 1, reps=5) / 1e6
-        print(f"  {name:28} {t * 1e3:6.2f} ms  {layers * 3072 * 576 * nbytes / t / 1e9:5.1f} GB/s")
-
+        print(f"  {name:28} {t * 1e3:6.2f} ms  {nbytes / 2**20:6.1f} MiB  {nbytes / t / 1e9:5.1f} GB/s")
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 
 The builder calls `build_library` and copies the .so into the plan; the runtime calls
 `load_library` on the plan's copy before loading the engine. Builds are cached by a hash of
-the sources, flags and torch version, so tests and unchanged rebuilds compile nothing.
+the sources (and the headers beside them), flags and torch version, so tests and unchanged rebuilds compile nothing.
 
 The library is compiled for one CPU ISA level (plugins/isa.py), the level the builder also
 pins AOTInductor to, so a plan's kernels and its compiled graph need the same instructions.
@@ -37,6 +37,8 @@ def build_library(name: str, sources: list[Path], level: cpu_isa.IsaLevel | None
     h = hashlib.sha256()
     for src in sources:
         h.update(Path(src).read_bytes())
+    for header in sorted({f for src in sources for f in Path(src).parent.glob("*.h")}):
+        h.update(header.name.encode() + b"\0" + header.read_bytes())   # what the sources include
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
     h.update(sys.version.encode())

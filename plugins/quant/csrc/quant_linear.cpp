@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "int8_dot.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
@@ -328,6 +330,40 @@ void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op
   TORCH_CHECK(t.size(0) == N, op, ": ", name, " has ", t.size(0), " rows, expected ", N);
 }
 
+// Decode rows of linear_int8 in integers: each row of x as three int8 levels (x ~ s0 q0 + s1 q1
+// + s2 q2, each level quantizing what the previous ones left; at most max|x| / (2 * 127^3)
+// off), the int8 weights times every level on int8_dot.h's VNNI / AVX2 dot products, and
+// y = sw * sum_l s_l * (w . q_l). Three integer dot products per weight instead of decoding
+// each weight to float: the dequantize-to-fp32 GEMV ran compute-bound at about 21 GB/s of
+// weights on a Zen 4 core pair, this one reads them at the memory's rate.
+constexpr int kXLevels = 3;
+
+at::Tensor int8_levels_gemv(const at::Tensor& x, const at::Tensor& qweight,
+                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
+                            const char* op) {
+  const int64_t N = qweight.size(0), K = qweight.size(1);
+  Prepared p = prepare(x, N, K, bias, op);
+  const int64_t M = p.x.size(0);
+  if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  const kiln_int8::QuantX qx = kiln_int8::quantize_levels(p.x.data_ptr<float>(), M, K, kXLevels);
+  const float* sw = scales.data_ptr<float>();
+  const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  float* y = p.out.data_ptr<float>();
+  kiln_int8::dot_blocks(qx, qweight.data_ptr<int8_t>(), N,
+                        [&](int64_t n0, int64_t nr, const int32_t* acc) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < nr; ++j) {
+        float v = 0.f;
+        for (int l = 0; l < kXLevels; ++l) {
+          const int64_t row = m * kXLevels + l;
+          v += float(acc[row * kiln_int8::kNB + j]) * qx.s[row];
+        }
+        y[m * N + n0 + j] = v * sw[n0 + j] + (b ? b[n0 + j] : 0.f);
+      }
+  });
+  return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+}
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
   const char* op = "kiln::linear_int8";
@@ -335,6 +371,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
               op, ": qweight must be contiguous int8 [N, K]");
   const int64_t N = qweight.size(0), K = qweight.size(1);
   check_rows(scales, N, "scales", op);
+  if (x.dim() == 2 && x.size(0) < kTileMinM && K < 66000)
+    return int8_levels_gemv(x, qweight, scales, bias, op);
   Int8Dec d{qweight.data_ptr<int8_t>(), K, scales.data_ptr<float>()};
   return run(d, x, N, K, bias, op);
 }
@@ -379,6 +417,87 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   return run(d, x, N, K, bias, op);
 }
 
+#if KILN_INT8_DOT_VNNI
+// Decode rows of linear_int4 on VNNI, in integers like int8_levels_gemv: w = (q - z) s per
+// group, so y = sum_g s_g sum_k q_k x_k - sum_g s_g z_g X_g with X_g the group's sum of x. The
+// codes q (u8 0..15) go straight into vpdpbusd against each int8 level of x (64 products per
+// instruction, no decode to float), each level's int32 lanes are scaled by their group's s in
+// float, and the z term uses x's exact group sums. 64 weights per step: 32 packed bytes, low
+// nibbles of two 16-byte blocks then high nibbles, put back in k order by one qword permute.
+struct Int4Levels {
+  const Int4Dec& d;
+  const kiln_int8::QuantX& qx;   // rows r * kXLevels + l
+  const float* xg;               // [M, NG] sums of x per group
+};
+
+template <int R>
+inline void int4_levels_rows(const Int4Levels& a, int64_t r0, int64_t n, const float* bias,
+                             float* out, int64_t ldo) {
+  const Int4Dec& d = a.d;
+  const int64_t K = d.K, G = d.G, NG = d.NG;
+  const uint8_t* p = d.q + n * K / 2;
+  const float* sc = d.scales + n * NG;
+  const float* zr = d.zeros + n * NG;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i two_groups = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 acc[R][kXLevels];
+  for (int r = 0; r < R; ++r)
+    for (int l = 0; l < kXLevels; ++l) acc[r][l] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 64) {
+    const __m512i b = _mm512_castsi256_si512(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k / 2)));
+    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
+    const __m512i q = _mm512_permutex2var_epi64(lo, order, hi);   // 64 codes in k order
+    const __m512 s = G == 32 ? _mm512_permutexvar_ps(two_groups, _mm512_castps128_ps512(
+                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + k / 32)))))
+                             : _mm512_set1_ps(sc[k / G]);          // G >= 64: one group
+    for (int r = 0; r < R; ++r)
+      for (int l = 0; l < kXLevels; ++l) {
+        const int8_t* xr = a.qx.q.data() + ((r0 + r) * kXLevels + l) * K + k;
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xr));
+        acc[r][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][l]);
+      }
+  }
+  const float bn = bias ? bias[n] : 0.0f;
+  for (int r = 0; r < R; ++r) {
+    float v = 0.0f;
+    for (int l = 0; l < kXLevels; ++l)
+      v += a.qx.s[(r0 + r) * kXLevels + l] * _mm512_reduce_add_ps(acc[r][l]);
+    const float* xg = a.xg + (r0 + r) * NG;
+    for (int64_t g = 0; g < NG; ++g) v -= sc[g] * zr[g] * xg[g];
+    out[(r0 + r) * ldo + n] = v + bn;
+  }
+}
+
+at::Tensor int4_levels_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
+                            const c10::optional<at::Tensor>& bias, const char* op) {
+  const int64_t K = d.K, G = d.G, NG = d.NG;
+  Prepared p = prepare(x, N, K, bias, op);
+  const int64_t M = p.x.size(0);
+  if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  const float* xp = p.x.data_ptr<float>();
+  const kiln_int8::QuantX qx = kiln_int8::quantize_levels(xp, M, K, kXLevels);
+  std::vector<float> xg(M * NG, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xg[m * NG + k / G] += xp[m * K + k];
+  const Int4Levels a{d, qx, xg.data()};
+  const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  float* y = p.out.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t r = 0; r < M; r += 2) {
+        if (M - r >= 2)
+          int4_levels_rows<2>(a, r, n, b, y, N);
+        else
+          int4_levels_rows<1>(a, r, n, b, y, N);
+      }
+  });
+  return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+}
+#endif
+
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const at::Tensor& zeros, int64_t group_size,
                        const c10::optional<at::Tensor>& bias) {
@@ -395,6 +514,10 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
               ": scales/zeros must be [N, K/group_size] = [", N, ", ", K / group_size, "]");
   Int4Dec d{qweight.data_ptr<uint8_t>(), K, scales.data_ptr<float>(), zeros.data_ptr<float>(),
             group_size, K / group_size};
+#if KILN_INT8_DOT_VNNI
+  if (x.dim() == 2 && x.size(0) < kTileMinM && K % 64 == 0 && K < 66000)
+    return int4_levels_gemv(d, x, N, bias, op);
+#endif
   return run(d, x, N, K, bias, op);
 }
 

@@ -1,0 +1,262 @@
+// Integer dot products of int8 weight rows with rows of int8-quantized x, shared by
+// kiln::linear_int8_a8 (linear_a8.cpp: x quantized once, W8A8) and the decode path of the
+// weight-only kiln::linear_int8 (quant_linear.cpp: x split into three int8 levels, about 22
+// bits of fixed point per row, so the result is the float product's to ~1e-7).
+//
+// The dot products are integer (exact in int32: K * 255 * 127 < 2^31 for K < 66,000), on
+// the widest int8 instructions the compile flags allow:
+//   AVX-512 VNNI: vpdpbusd (u8 x s8 -> s32, 64 products per instruction). The weights are
+//     offset to u8 (wq ^ 0x80) as they load; the 128 * sum_k xq[m, k] this adds is removed
+//     with one sum per row of x.
+//   AVX2 (also the avx512 level without VNNI): vpmaddubsw on |xq| (u8) and wq with xq's sign
+//     (vpsignb; |products| <= 2 * 127 * 127, no saturation), then vpmaddwd into s32.
+//   otherwise: scalar int32 loops (same integers, same result).
+// Work: 4 weight rows x up to 4 rows of x per register tile, parallel over weight rows; the
+// weight tile stays in L1 while every row block of x passes over it, so weights are read
+// from memory once per call whatever the number of rows of x.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KILN_INT8_DOT_VNNI 1
+#define KILN_INT8_DOT_AVX2 0
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define KILN_INT8_DOT_VNNI 0
+#define KILN_INT8_DOT_AVX2 1
+#else
+#define KILN_INT8_DOT_VNNI 0
+#define KILN_INT8_DOT_AVX2 0
+#endif
+
+namespace kiln_int8 {
+
+constexpr int64_t kNB = 4;   // weight rows per tile
+constexpr int64_t kMB = 4;   // rows of x per tile
+// How far ahead of its loads a tile asks for weights (software prefetch): the 4-row tiles
+// read 4 interleaved streams the hardware prefetchers follow late. Measured on a Zen 4 pair
+// (bench/linear_kernels.py, 30 w13-sized matrices, one row of x, W8A8): 29 GB/s without,
+// 46-64 GB/s from 4 to 16 KiB ahead, less again at 32 KiB.
+constexpr int64_t kPrefetch = 12288;
+
+// Per-row symmetric int8 quantization of x [M, K] (row stride ldx): q = round_half_even(x / s),
+// s = max|x| / 127 (s = 1 for an all-zero row). Same arithmetic as the reference in ops.py.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
+                          int64_t ldq, float* s, int64_t lds) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    s[m * lds] = sc;
+    int8_t* qr = q + m * ldq;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = std::nearbyint(xr[k] / sc);
+      qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+    }
+  }
+}
+
+// x as rows of int8 codes with one scale each, and what the tile kernels read besides.
+struct QuantX {
+  int64_t rows = 0, K = 0;
+  std::vector<int8_t> q;     // [rows, K]
+  std::vector<float> s;      // [rows]
+  std::vector<uint8_t> u;    // [rows, K] |q| (AVX2 only)
+  std::vector<int32_t> sum;  // [rows] sum of q[r, :K - K % 64] (VNNI only)
+
+  QuantX(int64_t rows_, int64_t K_) : rows(rows_), K(K_), q(rows_ * K_), s(rows_) {}
+
+  // The tile kernels' extra inputs; call once q is filled.
+  void finish() {
+    if (KILN_INT8_DOT_AVX2) {
+      u.resize(q.size());
+      for (size_t i = 0; i < q.size(); ++i) u[i] = uint8_t(std::abs(int(q[i])));
+    }
+    if (KILN_INT8_DOT_VNNI) {
+      sum.assign(rows, 0);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < K - K % 64; ++k) sum[r] += q[r * K + k];
+    }
+  }
+};
+
+// x [M, K] -> M * L rows of codes, row m * L + l the l-th level: level 0 quantizes x, each
+// next level quantizes what the levels before left (x - sum of s_l * q_l), on its own max / 127.
+// Three levels leave at most max|x[m]| / (2 * 127^3); the rounding is to nearest (not the
+// reference's half-even: no level is compared against a reference on its own).
+inline QuantX quantize_levels(const float* x, int64_t M, int64_t K, int L) {
+  QuantX qx(M * L, K);
+  std::vector<float> r(K);
+  for (int64_t m = 0; m < M; ++m) {
+    std::copy(x + m * K, x + (m + 1) * K, r.begin());
+    for (int l = 0; l < L; ++l) {
+      const int64_t row = m * L + l;
+      quantize_rows(r.data(), 1, K, K, qx.q.data() + row * K, K, qx.s.data() + row, 1);
+      if (l + 1 < L) {
+        const float sc = qx.s[row];
+        const int8_t* qr = qx.q.data() + row * K;
+        for (int64_t k = 0; k < K; ++k) r[k] -= sc * float(qr[k]);
+      }
+    }
+  }
+  qx.finish();
+  return qx;
+}
+
+inline int32_t dot_scalar(const int8_t* a, const int8_t* b, int64_t k0, int64_t K) {
+  int32_t s = 0;
+  for (int64_t k = k0; k < K; ++k) s += int32_t(a[k]) * int32_t(b[k]);
+  return s;
+}
+
+#if KILN_INT8_DOT_VNNI
+// The four horizontal sums of a0..a3 as one vector [s0, s1, s2, s3]: a transpose-and-add
+// tree (about a third of the instructions of four separate reductions).
+inline __m128i hsum4x512(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
+  // each 128-bit lane now holds [a0, a1, a2, a3] partial sums
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  const __m256i v = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
+  return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
+// The weights go in as the unsigned operand, offset by 128 (w ^ 0x80 = w + 128 in u8), and
+// x as the signed one: sum_k (w + 128) x = sum_k w x + 128 sum_k x, so one sum of x per row
+// of x (QuantX::sum) removes the offset. (Offsetting x instead needs the weight rows' sums,
+// one more vpdpbusd per weight vector on every call: measured 0.83 ms for SmolLM2's lm_head.)
+template <int MR>
+inline void tile_vnni(const QuantX& x, const int8_t* wq, int64_t last, int64_t m0,
+                      int64_t n0, int32_t acc[kMB][kNB]) {
+  const int64_t K = x.K, K64 = K - K % 64;
+  __m512i a[MR][kNB];
+  for (int j = 0; j < kNB; ++j)
+    for (int r = 0; r < MR; ++r) a[r][j] = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t k = 0; k < K64; k += 64) {
+    __m512i w[kNB];
+    for (int j = 0; j < kNB; ++j) {
+      _mm_prefetch(reinterpret_cast<const char*>(wq + std::min((n0 + j) * K + k + kPrefetch, last)),
+                   _MM_HINT_T0);
+      w[j] = _mm512_xor_si512(_mm512_loadu_si512(wq + (n0 + j) * K + k), flip);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_loadu_si512(x.q.data() + (m0 + r) * K + k);
+      for (int j = 0; j < kNB; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], w[j], xv);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    alignas(16) int32_t s[4];
+    _mm_store_si128(reinterpret_cast<__m128i*>(s), hsum4x512(a[r][0], a[r][1], a[r][2], a[r][3]));
+    for (int j = 0; j < kNB; ++j)
+      acc[r][j] = s[j] - 128 * x.sum[m0 + r] +
+                  dot_scalar(x.q.data() + (m0 + r) * K, wq + (n0 + j) * K, K64, K);
+  }
+}
+#endif
+
+#if KILN_INT8_DOT_AVX2
+inline int32_t hsum256(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
+template <int MR>
+inline void tile_avx2(const QuantX& x, const int8_t* wq, int64_t last, int64_t m0,
+                      int64_t n0, int32_t acc[kMB][kNB]) {
+  // 16 ymm registers: rows of x two at a time (8 accumulators + 4 weights + x, |x|, tmp).
+  const int64_t K = x.K, K32 = K - K % 32;
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  for (int r0 = 0; r0 < MR; r0 += 2) {
+    const int rr = std::min(2, MR - r0);
+    __m256i a[2][kNB];
+    for (int r = 0; r < 2; ++r)
+      for (int j = 0; j < kNB; ++j) a[r][j] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K32; k += 32) {
+      __m256i w[kNB];
+      for (int j = 0; j < kNB; ++j) {
+        if (k % 64 == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(wq + std::min((n0 + j) * K + k + kPrefetch,
+                                                                   last)), _MM_HINT_T0);
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (n0 + j) * K + k));
+      }
+      for (int r = 0; r < rr; ++r) {
+        const int64_t row = (m0 + r0 + r) * K + k;
+        const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row));
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.u.data() + row));
+        for (int j = 0; j < kNB; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(xa, _mm256_sign_epi8(w[j], xs));
+          a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(p, ones16));
+        }
+      }
+    }
+    for (int r = 0; r < rr; ++r)
+      for (int j = 0; j < kNB; ++j)
+        acc[r0 + r][j] = hsum256(a[r][j]) + dot_scalar(x.q.data() + (m0 + r0 + r) * K,
+                                                       wq + (n0 + j) * K, K32, K);
+  }
+}
+#endif
+
+template <int MR>
+inline void tile(const QuantX& x, const int8_t* wq, int64_t last, int64_t m0, int64_t n0,
+                 int32_t acc[kMB][kNB]) {
+#if KILN_INT8_DOT_VNNI
+  tile_vnni<MR>(x, wq, last, m0, n0, acc);
+#elif KILN_INT8_DOT_AVX2
+  tile_avx2<MR>(x, wq, last, m0, n0, acc);
+#else
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kNB; ++j)
+      acc[r][j] = dot_scalar(x.q.data() + (m0 + r) * x.K, wq + (n0 + j) * x.K, 0, x.K);
+#endif
+}
+
+// acc[r * kNB + j] = sum_k x.q[r, k] * wq[n0 + j, k] for every row r of x and j < nr, for
+// each block of weight rows n0 = 0, 4, 8, ... (nr = min(4, N - n0)); then epi(n0, nr, acc).
+// Parallel over blocks of weight rows.
+template <class Epi>
+void dot_blocks(const QuantX& x, const int8_t* wq, int64_t N, Epi epi) {
+  const int64_t K = x.K, R = x.rows;
+  const int64_t nblocks = (N + kNB - 1) / kNB;
+  const int64_t last = N * K - 1;   // prefetches stop at the weights' last byte
+  at::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t b0, int64_t b1) {
+    std::vector<int32_t> acc(R * kNB);
+    int32_t t[kMB][kNB];
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int64_t n0 = nb * kNB, nr = std::min(kNB, N - n0);
+      if (nr < kNB) {   // last partial block of weight rows: scalar
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = 0; j < nr; ++j)
+            acc[r * kNB + j] = dot_scalar(x.q.data() + r * K, wq + (n0 + j) * K, 0, K);
+      } else {
+        for (int64_t m0 = 0; m0 < R; m0 += kMB) {
+          const int64_t mr = std::min(kMB, R - m0);
+          switch (mr) {
+            case 4: tile<4>(x, wq, last, m0, n0, t); break;
+            case 3: tile<3>(x, wq, last, m0, n0, t); break;
+            case 2: tile<2>(x, wq, last, m0, n0, t); break;
+            default: tile<1>(x, wq, last, m0, n0, t); break;
+          }
+          for (int64_t r = 0; r < mr; ++r)
+            for (int64_t j = 0; j < kNB; ++j) acc[(m0 + r) * kNB + j] = t[r][j];
+        }
+      }
+      epi(n0, nr, acc.data());
+    }
+  });
+}
+
+}  // namespace kiln_int8

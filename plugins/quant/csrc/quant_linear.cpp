@@ -418,80 +418,112 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 }
 
 #if KILN_INT8_DOT_VNNI
-// Decode rows of linear_int4 on VNNI, in integers like int8_levels_gemv: w = (q - z) s per
-// group, so y = sum_g s_g sum_k q_k x_k - sum_g s_g z_g X_g with X_g the group's sum of x. The
-// codes q (u8 0..15) go straight into vpdpbusd against each int8 level of x (64 products per
-// instruction, no decode to float), each level's int32 lanes are scaled by their group's s in
-// float, and the z term uses x's exact group sums. 64 weights per step: 32 packed bytes, low
-// nibbles of two 16-byte blocks then high nibbles, put back in k order by one qword permute.
-struct Int4Levels {
-  const Int4Dec& d;
-  const kiln_int8::QuantX& qx;   // rows r * kXLevels + l
-  const float* xg;               // [M, NG] sums of x per group
+// Decode rows of linear_int4 on VNNI, in integers: w = (q - z) s per group, so
+//   y = sum_g s_g sum_k q_k x_k - sum_g s_g z_g X_g   (X_g: the group's exact sum of x).
+// x is held as fixed point, x ~ sx (c0 + c1 / 128 + c2 / 128^2) with c0 = round(x / sx) in
+// -127..127 (sx = max|x| / 127) and c1, c2 the next 7-bit digits of what is left (-64..64):
+// at most max|x| / (2 * 127 * 128^2) off, 2.4e-7 of the row's largest value. The codes q (u8,
+// 0..15) go straight into vpdpbusd against each digit, and the digits combine in the int32
+// lanes ((d0 << 14) + (d1 << 7) + d2: three vpdpbusd and two shifts per 64 weights, no
+// decode to float); each lane is then scaled by its group's s in float. 64 weights a step:
+// their 32 packed bytes broadcast to both halves of a register, the upper half shifted down
+// a nibble, so the codes come in the order [0..15, 32..47, 16..31, 48..63] of the step, the
+// order the digits of x are stored in.
+constexpr int kDigits = 3;
+constexpr int kDigitBits = 7;
+
+struct Int4X {
+  int64_t M, K;
+  std::vector<int8_t> c;    // [M, kDigits, K] digits, each 64-step in the codes' order
+  std::vector<float> sx;    // [M] value of one unit of c0
+  std::vector<float> xg;    // [M, NG] sums of x per group
 };
 
+Int4X int4_digits(const float* x, int64_t M, int64_t K, int64_t G) {
+  Int4X d{M, K, std::vector<int8_t>(M * kDigits * K), std::vector<float>(M),
+          std::vector<float>(M * (K / G), 0.0f)};
+  std::vector<float> r(K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    d.sx[m] = sc;
+    for (int64_t k = 0; k < K; ++k) {
+      r[k] = xr[k] / sc;
+      d.xg[m * (K / G) + k / G] += xr[k];
+    }
+    for (int j = 0; j < kDigits; ++j) {
+      int8_t* cj = d.c.data() + (m * kDigits + j) * K;
+      for (int64_t k = 0; k < K; ++k) {
+        const float v = std::max(-127.f, std::min(127.f, std::nearbyint(r[k])));
+        r[k] = (r[k] - v) * float(1 << kDigitBits);   // exact: a power of two
+        const int64_t i = k % 64, pos = k - i + (i & 15) + ((i >> 5) << 4) + (((i >> 4) & 1) << 5);
+        cj[pos] = static_cast<int8_t>(v);
+      }
+    }
+  }
+  return d;
+}
+
 template <int R>
-inline void int4_levels_rows(const Int4Levels& a, int64_t r0, int64_t n, const float* bias,
-                             float* out, int64_t ldo) {
-  const Int4Dec& d = a.d;
+inline void int4_digits_rows(const Int4Dec& d, const Int4X& x, int64_t r0, int64_t n,
+                             const float* bias, float* out, int64_t ldo) {
   const int64_t K = d.K, G = d.G, NG = d.NG;
   const uint8_t* p = d.q + n * K / 2;
   const float* sc = d.scales + n * NG;
   const float* zr = d.zeros + n * NG;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-  const __m512i two_groups = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  __m512 acc[R][kXLevels];
-  for (int r = 0; r < R; ++r)
-    for (int l = 0; l < kXLevels; ++l) acc[r][l] = _mm512_setzero_ps();
+  const __m512i lanes_group = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 64) {
-    const __m512i b = _mm512_castsi256_si512(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k / 2)));
-    const __m512i lo = _mm512_and_si512(b, nib), hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
-    const __m512i q = _mm512_permutex2var_epi64(lo, order, hi);   // 64 codes in k order
-    const __m512 s = G == 32 ? _mm512_permutexvar_ps(two_groups, _mm512_castps128_ps512(
+    const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k / 2)));
+    const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000u, b, 4), nib);
+    const __m512 s = G == 32 ? _mm512_permutexvar_ps(lanes_group, _mm512_castps128_ps512(
                                    _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + k / 32)))))
                              : _mm512_set1_ps(sc[k / G]);          // G >= 64: one group
+    for (int r = 0; r < R; ++r) {
+      const int8_t* c = x.c.data() + (r0 + r) * kDigits * K + k;
+      __m512i acc_i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(c));
+      for (int j = 1; j < kDigits; ++j)
+        acc_i = _mm512_dpbusd_epi32(_mm512_slli_epi32(acc_i, kDigitBits), q,
+                                    _mm512_loadu_si512(c + j * K));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i), s, acc[r]);
+    }
+  }
+  // y = sx * unit * sum(acc) - sum_g (s_g z_g) X_g, with one horizontal sum per row of x
+  const float unit = 1.0f / float(1 << (kDigitBits * (kDigits - 1)));
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(x.sx[r0 + r] * unit));
+  for (int64_t g = 0; g < NG; g += 16) {
+    const __mmask16 mk = NG - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (NG - g)) - 1);
+    const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + g), _mm512_maskz_loadu_ps(mk, zr + g));
     for (int r = 0; r < R; ++r)
-      for (int l = 0; l < kXLevels; ++l) {
-        const int8_t* xr = a.qx.q.data() + ((r0 + r) * kXLevels + l) * K + k;
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xr));
-        acc[r][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r][l]);
-      }
+      acc[r] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(mk, x.xg.data() + (r0 + r) * NG + g), acc[r]);
   }
   const float bn = bias ? bias[n] : 0.0f;
-  for (int r = 0; r < R; ++r) {
-    float v = 0.0f;
-    for (int l = 0; l < kXLevels; ++l)
-      v += a.qx.s[(r0 + r) * kXLevels + l] * _mm512_reduce_add_ps(acc[r][l]);
-    const float* xg = a.xg + (r0 + r) * NG;
-    for (int64_t g = 0; g < NG; ++g) v -= sc[g] * zr[g] * xg[g];
-    out[(r0 + r) * ldo + n] = v + bn;
-  }
+  for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = _mm512_reduce_add_ps(acc[r]) + bn;
 }
 
-at::Tensor int4_levels_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
+at::Tensor int4_digits_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
                             const c10::optional<at::Tensor>& bias, const char* op) {
-  const int64_t K = d.K, G = d.G, NG = d.NG;
+  const int64_t K = d.K;
   Prepared p = prepare(x, N, K, bias, op);
   const int64_t M = p.x.size(0);
   if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
-  const float* xp = p.x.data_ptr<float>();
-  const kiln_int8::QuantX qx = kiln_int8::quantize_levels(xp, M, K, kXLevels);
-  std::vector<float> xg(M * NG, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xg[m * NG + k / G] += xp[m * K + k];
-  const Int4Levels a{d, qx, xg.data()};
+  const Int4X xd = int4_digits(p.x.data_ptr<float>(), M, K, d.G);
   const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* y = p.out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
-      for (int64_t r = 0; r < M; r += 2) {
-        if (M - r >= 2)
-          int4_levels_rows<2>(a, r, n, b, y, N);
-        else
-          int4_levels_rows<1>(a, r, n, b, y, N);
+      for (int64_t r = 0; r < M; r += 4) {
+        switch (std::min<int64_t>(4, M - r)) {
+          case 4: int4_digits_rows<4>(d, xd, r, n, b, y, N); break;
+          case 3: int4_digits_rows<3>(d, xd, r, n, b, y, N); break;
+          case 2: int4_digits_rows<2>(d, xd, r, n, b, y, N); break;
+          default: int4_digits_rows<1>(d, xd, r, n, b, y, N); break;
+        }
       }
   });
   return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
@@ -516,7 +548,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& qweight, const at:
             group_size, K / group_size};
 #if KILN_INT8_DOT_VNNI
   if (x.dim() == 2 && x.size(0) < kTileMinM && K % 64 == 0 && K < 66000)
-    return int4_levels_gemv(d, x, N, bias, op);
+    return int4_digits_gemv(d, x, N, bias, op);
 #endif
   return run(d, x, N, K, bias, op);
 }

@@ -47,24 +47,6 @@ constexpr int64_t kMB = 4;   // rows of x per tile
 // 46-64 GB/s from 4 to 16 KiB ahead, less again at 32 KiB.
 constexpr int64_t kPrefetch = 12288;
 
-// Per-row symmetric int8 quantization of x [M, K] (row stride ldx): q = round_half_even(x / s),
-// s = max|x| / 127 (s = 1 for an all-zero row). Same arithmetic as the reference in ops.py.
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int8_t* q,
-                          int64_t ldq, float* s, int64_t lds) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * ldx;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float sc = amax > 0.f ? amax / 127.f : 1.f;
-    s[m * lds] = sc;
-    int8_t* qr = q + m * ldq;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = std::nearbyint(xr[k] / sc);
-      qr[k] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
-    }
-  }
-}
-
 // x as rows of int8 codes with one scale each, and what the tile kernels read besides.
 struct QuantX {
   int64_t rows = 0, K = 0;
@@ -89,26 +71,79 @@ struct QuantX {
   }
 };
 
-// x [M, K] -> M * L rows of codes, row m * L + l the l-th level: level 0 quantizes x, each
-// next level quantizes what the levels before left (x - sum of s_l * q_l), on its own max / 127.
-// Three levels leave at most max|x[m]| / (2 * 127^3); the rounding is to nearest (not the
-// reference's half-even: no level is compared against a reference on its own).
-inline QuantX quantize_levels(const float* x, int64_t M, int64_t K, int L) {
-  QuantX qx(M * L, K);
-  std::vector<float> r(K);
-  for (int64_t m = 0; m < M; ++m) {
-    std::copy(x + m * K, x + (m + 1) * K, r.begin());
-    for (int l = 0; l < L; ++l) {
-      const int64_t row = m * L + l;
-      quantize_rows(r.data(), 1, K, K, qx.q.data() + row * K, K, qx.s.data() + row, 1);
-      if (l + 1 < L) {
-        const float sc = qx.s[row];
-        const int8_t* qr = qx.q.data() + row * K;
-        for (int64_t k = 0; k < K; ++k) r[k] -= sc * float(qr[k]);
-      }
+constexpr int kDigitBits = 7;   // each digit after the first: 7 bits, -64..64
+
+// Where element k of a row is stored: in place, or (permute64, for the int4 decoder) each
+// 64-element step in the order [0..15, 32..47, 16..31, 48..63].
+inline int64_t digit_pos(int64_t k, bool permute64) {
+  if (!permute64) return k;
+  const int64_t i = k % 64, j = i >> 4;
+  return k - i + (i & 15) + (((j & 1) << 1 | j >> 1) << 4);
+}
+
+// x [M, K] as D int8 digits per row (rows m * D + j of the result):
+//   x ~ sx * (c0 + c1 / 128 + ... + c_{D-1} / 128^(D-1)),  s[m * D + j] = sx / 128^j,
+// c0 = round_half_even(x / sx) in -127..127 with sx = max|x| / 127 (1 for an all-zero row),
+// and each next digit the rounded remainder times 128 (-64..64). D = 1 is W8A8's per-row
+// quantization, the same arithmetic as quantize_activations in ops.py; D = 3 is at most
+// max|x| / (2 * 127 * 128^2) = 2.4e-7 max|x| from x. Vectorized: this runs on every call.
+// The digits of one row a = x / sx (r: scratch of K floats); digit j goes to out + j * stride.
+inline void digits_of(const float* a, float* r, int64_t K, int D, int8_t* out, int64_t stride,
+                      bool permute64) {
+  for (int j = 0; j < D; ++j) {
+    const float lim = j == 0 ? 127.f : 64.f;
+    const float* src = j == 0 ? a : r;
+    int8_t* o = out + j * stride;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    for (; k + 16 <= K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(src + k);
+      __m512 c = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c = _mm512_min_ps(_mm512_set1_ps(lim), _mm512_max_ps(_mm512_set1_ps(-lim), c));
+      _mm512_storeu_ps(r + k, _mm512_mul_ps(_mm512_sub_ps(v, c), _mm512_set1_ps(128.f)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + digit_pos(k, permute64)),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(c)));
+    }
+#elif defined(__AVX2__)
+    for (; k + 8 <= K; k += 8) {
+      const __m256 v = _mm256_loadu_ps(src + k);
+      __m256 c = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c = _mm256_min_ps(_mm256_set1_ps(lim), _mm256_max_ps(_mm256_set1_ps(-lim), c));
+      _mm256_storeu_ps(r + k, _mm256_mul_ps(_mm256_sub_ps(v, c), _mm256_set1_ps(128.f)));
+      const __m256i i32 = _mm256_cvtps_epi32(c);
+      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+      const __m128i i8 = _mm_packs_epi16(i16, i16);
+      // 8 elements at a multiple of 8 never straddle a 16-element run of digit_pos
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(o + digit_pos(k, permute64)), i8);
+    }
+#endif
+    for (; k < K; ++k) {
+      const float c = std::min(lim, std::max(-lim, std::nearbyint(src[k])));
+      r[k] = (src[k] - c) * 128.f;
+      o[digit_pos(k, permute64)] = static_cast<int8_t>(c);
     }
   }
-  qx.finish();
+}
+
+inline QuantX quantize_digits(const float* x, int64_t M, int64_t K, int D, bool permute64 = false) {
+  QuantX qx(M * D, K);
+  std::vector<float> a(K), r(K);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float amax = 0.f;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+    const float sc = amax > 0.f ? amax / 127.f : 1.f;
+    for (k = 0; k < K; ++k) a[k] = xr[k] / sc;   // a division, as the reference divides
+    digits_of(a.data(), r.data(), K, D, qx.q.data() + m * D * K, K, permute64);
+    float unit = sc;
+    for (int j = 0; j < D; ++j, unit /= float(1 << kDigitBits)) qx.s[m * D + j] = unit;
+  }
   return qx;
 }
 

@@ -54,12 +54,7 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 
-  QuantX qx(M, K);
-  const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
-                   [&](int64_t m0, int64_t m1) {
-    quantize_rows(xp + m0 * K, m1 - m0, K, K, qx.q.data() + m0 * K, K, qx.s.data() + m0, 1);
-  });
+  QuantX qx = quantize_digits(x.data_ptr<float>(), M, K, 1);
   const float* sx = qx.s.data();
   const float* sw = scales.data_ptr<float>();
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;

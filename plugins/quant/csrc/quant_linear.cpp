@@ -330,22 +330,23 @@ void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op
   TORCH_CHECK(t.size(0) == N, op, ": ", name, " has ", t.size(0), " rows, expected ", N);
 }
 
-// Decode rows of linear_int8 in integers: each row of x as three int8 levels (x ~ s0 q0 + s1 q1
-// + s2 q2, each level quantizing what the previous ones left; at most max|x| / (2 * 127^3)
-// off), the int8 weights times every level on int8_dot.h's VNNI / AVX2 dot products, and
-// y = sw * sum_l s_l * (w . q_l). Three integer dot products per weight instead of decoding
+// Decode rows of linear_int8 in integers: each row of x as three int8 digits (int8_dot.h's
+// quantize_digits: x ~ sx (c0 + c1 / 128 + c2 / 128^2), 2.4e-7 max|x| off), the int8 weights
+// times every digit on int8_dot.h's VNNI / AVX2 dot products, and
+// y = sw * sum_j s_j * (w . c_j). Three integer dot products per weight instead of decoding
 // each weight to float: the dequantize-to-fp32 GEMV ran compute-bound at about 21 GB/s of
-// weights on a Zen 4 core pair, this one reads them at the memory's rate.
-constexpr int kXLevels = 3;
+// weights on a Zen 4 core pair, this one at 42-56 GB/s (bench/linear_kernels.py).
+constexpr int kXDigits = 3;
 
-at::Tensor int8_levels_gemv(const at::Tensor& x, const at::Tensor& qweight,
+at::Tensor int8_digits_gemv(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
                             const char* op) {
   const int64_t N = qweight.size(0), K = qweight.size(1);
   Prepared p = prepare(x, N, K, bias, op);
   const int64_t M = p.x.size(0);
   if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
-  const kiln_int8::QuantX qx = kiln_int8::quantize_levels(p.x.data_ptr<float>(), M, K, kXLevels);
+  kiln_int8::QuantX qx = kiln_int8::quantize_digits(p.x.data_ptr<float>(), M, K, kXDigits);
+  qx.finish();
   const float* sw = scales.data_ptr<float>();
   const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* y = p.out.data_ptr<float>();
@@ -354,8 +355,8 @@ at::Tensor int8_levels_gemv(const at::Tensor& x, const at::Tensor& qweight,
     for (int64_t m = 0; m < M; ++m)
       for (int64_t j = 0; j < nr; ++j) {
         float v = 0.f;
-        for (int l = 0; l < kXLevels; ++l) {
-          const int64_t row = m * kXLevels + l;
+        for (int l = 0; l < kXDigits; ++l) {
+          const int64_t row = m * kXDigits + l;
           v += float(acc[row * kiln_int8::kNB + j]) * qx.s[row];
         }
         y[m * N + n0 + j] = v * sw[n0 + j] + (b ? b[n0 + j] : 0.f);
@@ -372,7 +373,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t N = qweight.size(0), K = qweight.size(1);
   check_rows(scales, N, "scales", op);
   if (x.dim() == 2 && x.size(0) < kTileMinM && K < 66000)
-    return int8_levels_gemv(x, qweight, scales, bias, op);
+    return int8_digits_gemv(x, qweight, scales, bias, op);
   Int8Dec d{qweight.data_ptr<int8_t>(), K, scales.data_ptr<float>()};
   return run(d, x, N, K, bias, op);
 }
@@ -420,55 +421,16 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 #if KILN_INT8_DOT_VNNI
 // Decode rows of linear_int4 on VNNI, in integers: w = (q - z) s per group, so
 //   y = sum_g s_g sum_k q_k x_k - sum_g s_g z_g X_g   (X_g: the group's exact sum of x).
-// x is held as fixed point, x ~ sx (c0 + c1 / 128 + c2 / 128^2) with c0 = round(x / sx) in
-// -127..127 (sx = max|x| / 127) and c1, c2 the next 7-bit digits of what is left (-64..64):
-// at most max|x| / (2 * 127 * 128^2) off, 2.4e-7 of the row's largest value. The codes q (u8,
-// 0..15) go straight into vpdpbusd against each digit, and the digits combine in the int32
-// lanes ((d0 << 14) + (d1 << 7) + d2: three vpdpbusd and two shifts per 64 weights, no
+// x is held as three digits of fixed point (int8_dot.h's quantize_digits: x ~ sx (c0 + c1 /
+// 128 + c2 / 128^2), 2.4e-7 of max|x| off). The codes q (u8, 0..15) go straight into vpdpbusd
+// against each digit, and the digits combine in the int32 lanes ((d0 << 14) + (d1 << 7) + d2: three vpdpbusd and two shifts per 64 weights, no
 // decode to float); each lane is then scaled by its group's s in float. 64 weights a step:
 // their 32 packed bytes broadcast to both halves of a register, the upper half shifted down
 // a nibble, so the codes come in the order [0..15, 32..47, 16..31, 48..63] of the step, the
 // order the digits of x are stored in.
-constexpr int kDigits = 3;
-constexpr int kDigitBits = 7;
-
-struct Int4X {
-  int64_t M, K;
-  std::vector<int8_t> c;    // [M, kDigits, K] digits, each 64-step in the codes' order
-  std::vector<float> sx;    // [M] value of one unit of c0
-  std::vector<float> xg;    // [M, NG] sums of x per group
-};
-
-Int4X int4_digits(const float* x, int64_t M, int64_t K, int64_t G) {
-  Int4X d{M, K, std::vector<int8_t>(M * kDigits * K), std::vector<float>(M),
-          std::vector<float>(M * (K / G), 0.0f)};
-  std::vector<float> r(K);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float sc = amax > 0.f ? amax / 127.f : 1.f;
-    d.sx[m] = sc;
-    for (int64_t k = 0; k < K; ++k) {
-      r[k] = xr[k] / sc;
-      d.xg[m * (K / G) + k / G] += xr[k];
-    }
-    for (int j = 0; j < kDigits; ++j) {
-      int8_t* cj = d.c.data() + (m * kDigits + j) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        const float v = std::max(-127.f, std::min(127.f, std::nearbyint(r[k])));
-        r[k] = (r[k] - v) * float(1 << kDigitBits);   // exact: a power of two
-        const int64_t i = k % 64, pos = k - i + (i & 15) + ((i >> 5) << 4) + (((i >> 4) & 1) << 5);
-        cj[pos] = static_cast<int8_t>(v);
-      }
-    }
-  }
-  return d;
-}
-
 template <int R>
-inline void int4_digits_rows(const Int4Dec& d, const Int4X& x, int64_t r0, int64_t n,
-                             const float* bias, float* out, int64_t ldo) {
+inline void int4_digits_rows(const Int4Dec& d, const kiln_int8::QuantX& x, const float* xg,
+                             int64_t r0, int64_t n, const float* bias, float* out, int64_t ldo) {
   const int64_t K = d.K, G = d.G, NG = d.NG;
   const uint8_t* p = d.q + n * K / 2;
   const float* sc = d.scales + n * NG;
@@ -484,22 +446,23 @@ inline void int4_digits_rows(const Int4Dec& d, const Int4X& x, int64_t r0, int64
                                    _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + k / 32)))))
                              : _mm512_set1_ps(sc[k / G]);          // G >= 64: one group
     for (int r = 0; r < R; ++r) {
-      const int8_t* c = x.c.data() + (r0 + r) * kDigits * K + k;
+      const int8_t* c = x.q.data() + (r0 + r) * kXDigits * K + k;
       __m512i acc_i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(c));
-      for (int j = 1; j < kDigits; ++j)
-        acc_i = _mm512_dpbusd_epi32(_mm512_slli_epi32(acc_i, kDigitBits), q,
+      for (int j = 1; j < kXDigits; ++j)
+        acc_i = _mm512_dpbusd_epi32(_mm512_slli_epi32(acc_i, kiln_int8::kDigitBits), q,
                                     _mm512_loadu_si512(c + j * K));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_i), s, acc[r]);
     }
   }
-  // y = sx * unit * sum(acc) - sum_g (s_g z_g) X_g, with one horizontal sum per row of x
-  const float unit = 1.0f / float(1 << (kDigitBits * (kDigits - 1)));
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(x.sx[r0 + r] * unit));
+  // y = s_last * sum(acc) - sum_g (s_g z_g) X_g with one horizontal sum per row of x (s_last,
+  // the last digit's scale, is one unit of the combined lanes)
+  for (int r = 0; r < R; ++r)
+    acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(x.s[(r0 + r) * kXDigits + kXDigits - 1]));
   for (int64_t g = 0; g < NG; g += 16) {
     const __mmask16 mk = NG - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (NG - g)) - 1);
     const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + g), _mm512_maskz_loadu_ps(mk, zr + g));
     for (int r = 0; r < R; ++r)
-      acc[r] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(mk, x.xg.data() + (r0 + r) * NG + g), acc[r]);
+      acc[r] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(mk, xg + (r0 + r) * NG + g), acc[r]);
   }
   const float bn = bias ? bias[n] : 0.0f;
   for (int r = 0; r < R; ++r) out[(r0 + r) * ldo + n] = _mm512_reduce_add_ps(acc[r]) + bn;
@@ -511,7 +474,16 @@ at::Tensor int4_digits_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
   Prepared p = prepare(x, N, K, bias, op);
   const int64_t M = p.x.size(0);
   if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
-  const Int4X xd = int4_digits(p.x.data_ptr<float>(), M, K, d.G);
+  const float* xp = p.x.data_ptr<float>();
+  const kiln_int8::QuantX xd = kiln_int8::quantize_digits(xp, M, K, kXDigits, /*permute64=*/true);
+  std::vector<float> xg(M * d.NG, 0.0f);   // sums of x per group
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < d.NG; ++g) {
+      const float* xk = xp + m * K + g * d.G;
+      float sum = 0.0f;
+      for (int64_t i = 0; i < d.G; ++i) sum += xk[i];
+      xg[m * d.NG + g] = sum;
+    }
   const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* y = p.out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
@@ -519,10 +491,10 @@ at::Tensor int4_digits_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t r = 0; r < M; r += 4) {
         switch (std::min<int64_t>(4, M - r)) {
-          case 4: int4_digits_rows<4>(d, xd, r, n, b, y, N); break;
-          case 3: int4_digits_rows<3>(d, xd, r, n, b, y, N); break;
-          case 2: int4_digits_rows<2>(d, xd, r, n, b, y, N); break;
-          default: int4_digits_rows<1>(d, xd, r, n, b, y, N); break;
+          case 4: int4_digits_rows<4>(d, xd, xg.data(), r, n, b, y, N); break;
+          case 3: int4_digits_rows<3>(d, xd, xg.data(), r, n, b, y, N); break;
+          case 2: int4_digits_rows<2>(d, xd, xg.data(), r, n, b, y, N); break;
+          default: int4_digits_rows<1>(d, xd, xg.data(), r, n, b, y, N); break;
         }
       }
   });

@@ -11,7 +11,10 @@ plan.json: what the build's gate measured), then engine step time through each p
   batch 1:  one decode token with --context tokens of context
   batch 32: 32 sequences decoding one token each, --context tokens of context each
 Each round runs every plan once in turn (interleaved, so drift in machine load hits all alike);
-medians over rounds. --build builds missing plans first (model_specs/smollm2-135m-*-cpu.yaml).
+medians over rounds. Each round also measures the machine's read rate (torch.sum over 1 GiB,
+same threads), and the batch-1 step is given as a multiple of its bandwidth floor: plan size /
+read rate (the plan's bytes are its weights plus about 3 MB of tokenizer and code; the step
+reads every weight once, the tied embedding table as the lm_head). --build builds missing plans first (model_specs/smollm2-135m-*-cpu.yaml).
 """
 from __future__ import annotations
 
@@ -73,6 +76,22 @@ class Runner:
         return (time.perf_counter() - t) / reps
 
 
+_READ = None
+
+
+def read_rate() -> float:
+    """Bytes per second torch.sum reads from a 1 GiB float32 tensor (best of 3)."""
+    global _READ
+    if _READ is None:
+        _READ = torch.ones(1 << 28)   # ones: written, so every page is really there
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        _READ.sum()
+        best = min(best, time.perf_counter() - t)
+    return _READ.nbytes / best
+
+
 def isa_spec(prec: str, isa: str) -> Path:
     """The precision's spec with target.isa pinned (written beside the plans)."""
     import yaml
@@ -121,13 +140,20 @@ def main() -> None:
     for th in args.threads:
         torch.set_num_threads(th)
         times = {(p, n): [] for p in runners for n in (1, 32)}
+        rates = []
         for _ in range(args.rounds):
+            rates.append(read_rate())
             for p, r in runners.items():
                 times[(p, 1)].append(r.time_step(1, reps=5))
                 times[(p, 32)].append(r.time_step(32, reps=2))
         for p in runners:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
+            rows[p][f"read_gb_s_t{th}"] = statistics.median(rates) / 1e9
+            rows[p][f"b1_x_floor_t{th}"] = (rows[p][f"b1_ms_t{th}"] / 1e3) / (
+                rows[p]["size"] / statistics.median(rates))
+        print(f"{th} thread(s): read rate {statistics.median(rates) / 1e9:.1f} GB/s (median; "
+              f"rounds {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f})")
     base = rows.get("fp32")
     isas = {read_manifest(plan_dir(p, args.isa)).target.isa for p in args.precisions}
     print(f"context {args.context} tokens per sequence; medians of {args.rounds} rounds; "
@@ -135,7 +161,7 @@ def main() -> None:
     head = ["precision", "plan size", "x fp32", "KV", "KV tokens/GiB", "ppl", "increase",
             "top-1"]
     for th in args.threads:
-        head += [f"b1 ms ({th}t)", "x fp32", f"b32 tok/s ({th}t)", "x fp32"]
+        head += [f"b1 ms ({th}t)", "x fp32", "x floor", f"b32 tok/s ({th}t)", "x fp32"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for p, r in rows.items():
@@ -148,6 +174,7 @@ def main() -> None:
                  f"{r['top1']:.1%}" if r["top1"] is not None else "-"]
         for th in args.threads:
             cells += [f"{r[f'b1_ms_t{th}']:.1f}", ratio(f"b1_ms_t{th}"),
+                      f"{r[f'b1_x_floor_t{th}']:.2f}",
                       f"{r[f'b32_tok_s_t{th}']:.0f}", ratio(f"b32_tok_s_t{th}")]
         print("| " + " | ".join(cells) + " |")
     if args.json:

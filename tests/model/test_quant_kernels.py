@@ -191,3 +191,26 @@ def test_w8a8_is_close_to_float_linear():
     a8 = ops.quant_linear(x, qw, None, activations="int8")
     rel = ((a8 - exact).norm() / exact.norm()).item()
     assert rel < 0.02, rel
+
+
+@pytest.mark.parametrize("scheme,gs", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("m", [1, 2, 3, 7])
+def test_decode_digits_precision_with_an_outlier_channel(m, scheme, gs):
+    """The VNNI decoders hold x as three int8 digits of fixed point per row (at most
+    max|x| / (2 * 127 * 128^2) off each element): with one channel 1000x the others, each
+    output stays within that bound times the row's sum |w| of the float product."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 1536, generator=g)
+    x[:, 17] = 1000.0
+    w = torch.randn(576, 1536, generator=g) * 0.05
+    qw = formats.quantize(w, scheme, gs)
+    out = ops.quant_linear(x, qw)
+    args = (qw.qweight, qw.scales, qw.zeros, qw.group_size) if scheme == "int4" else \
+        (qw.qweight, qw.scales)
+    wd = (formats.dequantize_int4(*args) if scheme == "int4"
+          else formats.dequantize_int8(*args))
+    ref = x.double() @ wd.double().T
+    bound = (x.abs().amax(dim=1, keepdim=True).double() / (2 * 127 * 128 ** 2)) * \
+        wd.double().abs().sum(dim=1)[None, :]
+    slack = 1e-6 * ref.abs().amax()                  # float32 accumulation
+    assert ((out.double() - ref).abs() <= bound + slack).all()

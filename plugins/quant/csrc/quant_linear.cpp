@@ -2,9 +2,11 @@
 // layouts: plugins/quant/formats.py). Registered for the CPU key, so they override the
 // dequantize-then-matmul references once this library is loaded.
 //
-// Two paths, both parallel over output channels with at::parallel_for:
+// Paths, all parallel over output channels with at::parallel_for:
 //   small M (decode, memory-bound): a GEMV that streams the packed weights once and
 //     dequantizes 32 weights at a time in AVX2 registers, reused for up to 4 rows of x;
+//     with AVX-512 VNNI, int8 (1-2 rows) and int4 (1-7 rows) decode in integers instead:
+//     x as three int8 digits of fixed point against the codes on vpdpbusd (int8_dot.h);
 //   large M (prefill / big batches, compute-bound): dequantize a tile of weight rows into
 //     an fp32 scratch buffer that stays in L2, then at::mm on the tile (single-threaded
 //     inside the parallel region).
@@ -17,12 +19,16 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "int8_dot.h"
+#include "int8_dot.h"   // before the path macros below: they read KILN_INT8_DOT_VNNI
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
+#if KILN_INT8_DOT_VNNI
+#define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"
+#else
 #define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders"
+#endif
 #else
 #define KILN_QUANT_AVX2 0
 #define KILN_QUANT_PATH "scalar decoders"
@@ -330,13 +336,18 @@ void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op
   TORCH_CHECK(t.size(0) == N, op, ": ", name, " has ", t.size(0), " rows, expected ", N);
 }
 
+#if KILN_INT8_DOT_VNNI
 // Decode rows of linear_int8 in integers: each row of x as three int8 digits (int8_dot.h's
 // quantize_digits: x ~ sx (c0 + c1 / 128 + c2 / 128^2), 2.4e-7 max|x| off), the int8 weights
 // times every digit on int8_dot.h's VNNI / AVX2 dot products, and
 // y = sw * sum_j s_j * (w . c_j). Three integer dot products per weight instead of decoding
 // each weight to float: the dequantize-to-fp32 GEMV ran compute-bound at about 21 GB/s of
-// weights on a Zen 4 core pair, this one at 42-56 GB/s (bench/linear_kernels.py).
+// weights on a Zen 4 core pair, this one at 42-56 GB/s (bench/linear_kernels.py). Used on
+// VNNI up to kInt8DigitsMaxM rows of x: SmolLM2's w13 streamed, 2 threads, Zen 4, this vs the
+// float decoder: 1 row 39 vs 62 us, 2 rows 54 vs 58, 3 rows 82 vs 70, 4 rows 94 vs 80. On
+// AVX2's vpmaddubsw it was no faster at 1 row (62 vs 61 us) and slower from 2.
 constexpr int kXDigits = 3;
+constexpr int64_t kInt8DigitsMaxM = 2;
 
 at::Tensor int8_digits_gemv(const at::Tensor& x, const at::Tensor& qweight,
                             const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
@@ -365,6 +376,8 @@ at::Tensor int8_digits_gemv(const at::Tensor& x, const at::Tensor& qweight,
   return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
 }
 
+#endif
+
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& bias) {
   const char* op = "kiln::linear_int8";
@@ -372,8 +385,10 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
               op, ": qweight must be contiguous int8 [N, K]");
   const int64_t N = qweight.size(0), K = qweight.size(1);
   check_rows(scales, N, "scales", op);
-  if (x.dim() == 2 && x.size(0) < kTileMinM && K < 66000)
+#if KILN_INT8_DOT_VNNI
+  if (x.dim() == 2 && x.size(0) <= kInt8DigitsMaxM && K < 66000)
     return int8_digits_gemv(x, qweight, scales, bias, op);
+#endif
   Int8Dec d{qweight.data_ptr<int8_t>(), K, scales.data_ptr<float>()};
   return run(d, x, N, K, bias, op);
 }
@@ -427,11 +442,14 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 // decode to float); each lane is then scaled by its group's s in float. 64 weights a step:
 // their 32 packed bytes broadcast to both halves of a register, the upper half shifted down
 // a nibble, so the codes come in the order [0..15, 32..47, 16..31, 48..63] of the step, the
-// order the digits of x are stored in.
+// order the digits of x are stored in. SmolLM2's w13 streamed, 2 threads, Zen 4, this vs the
+// float decoder: 1 row of x 36 vs 82 us, 2 rows 63 vs 72, 3 rows 76 vs 85, 4 rows 101 vs 100,
+// 7 rows 147 vs 178 (used below kTileMinM rows).
 template <int R>
 inline void int4_digits_rows(const Int4Dec& d, const kiln_int8::QuantX& x, const float* xg,
                              int64_t r0, int64_t n, const float* bias, float* out, int64_t ldo) {
   const int64_t K = d.K, G = d.G, NG = d.NG;
+  const int gshift = G == 32 ? 5 : G == 64 ? 6 : 7;   // k / G without a division (G: 32, 64, 128)
   const uint8_t* p = d.q + n * K / 2;
   const float* sc = d.scales + n * NG;
   const float* zr = d.zeros + n * NG;
@@ -443,8 +461,8 @@ inline void int4_digits_rows(const Int4Dec& d, const kiln_int8::QuantX& x, const
     const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k / 2)));
     const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000u, b, 4), nib);
     const __m512 s = G == 32 ? _mm512_permutexvar_ps(lanes_group, _mm512_castps128_ps512(
-                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + k / 32)))))
-                             : _mm512_set1_ps(sc[k / G]);          // G >= 64: one group
+                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + (k >> 5))))))
+                             : _mm512_set1_ps(sc[k >> gshift]);    // G >= 64: one group
     for (int r = 0; r < R; ++r) {
       const int8_t* c = x.q.data() + (r0 + r) * kXDigits * K + k;
       __m512i acc_i = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(c));

@@ -10,10 +10,11 @@ int8  symmetric, per output channel
 
 int4  asymmetric, group-wise along K (group_size 32, 64 or 128; K % group_size == 0)
       qweight uint8 [N, K // 2];  scales float32 [N, K // G];  zeros float32 [N, K // G]
-      w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],   g = k // G,  q, zeros in 0..15
-      (zeros hold integer zero points as floats). Each group's range is widened to include
-      0, so an all-zero group and constant groups are exact.
-      error bound: |w - deq| <= scales[n, g] / 2
+      w[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g],   g = k // G,  q in 0..15
+      scales = (max - min) / 15 of the group, zeros = -min / scales (a float zero point, not
+      rounded to an integer): w = q * scales + min, llama.cpp's Q4_1 arithmetic, so a Q4_1
+      GGUF's weights (group 32) come back exactly. A constant group (max == min) gets scale 1
+      and q = 0, so it is exact too. error bound: |w - deq| <= scales[n, g] / 2
 
       Packed layout, chosen for the AVX2 unpack (one 16-byte load -> 32 weights):
       K is cut in blocks of 32; block b of row n is 16 bytes, byte j (0..15) holding
@@ -132,11 +133,11 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128
     n, k = w.shape
     check_group_size(k, group_size)
     g = w.detach().float().reshape(n, k // group_size, group_size)
-    lo = g.amin(dim=2).clamp_max(0.0)
-    hi = g.amax(dim=2).clamp_min(0.0)
-    scales = ((hi - lo) / 15.0).clamp_min(_TINY)
-    zeros = torch.round(-lo / scales).clamp_(0, 15)
-    q = torch.round(g / scales[..., None] + zeros[..., None]).clamp_(0, 15)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scales = (hi - lo) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))   # constant groups
+    zeros = -lo / scales
+    q = torch.round((g - lo[..., None]) / scales[..., None]).clamp_(0, 15)
     return pack_int4(q.reshape(n, k)), scales.contiguous(), zeros.contiguous()
 
 

@@ -88,7 +88,26 @@ def test_storage_dtypes_and_shapes():
     q4 = formats.quantize(w, "int4", 64)
     assert q4.qweight.dtype == torch.uint8 and q4.qweight.shape == (64, 128)
     assert q4.scales.shape == q4.zeros.shape == (64, 4)
-    assert ((q4.zeros >= 0) & (q4.zeros <= 15) & (q4.zeros == q4.zeros.round())).all()
+    # float zero points: code 0 dequantizes to each group's minimum
+    assert torch.allclose(-q4.zeros * q4.scales, w.reshape(64, 4, 64).amin(dim=2), atol=1e-6)
+
+
+def test_int4_q4_1_weights_come_back_and_constant_groups_are_exact():
+    """int4 weight-only at group 32 stores weights of Q4_1 form (scale d and minimum m per
+    group, codes 0..15 hitting both ends) to within float rounding of (q - z) * s, codes
+    exactly; constant and all-zero groups come back exactly."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (8, 64), generator=g)
+    q[:, 0], q[:, 31], q[:, 32], q[:, 63] = 0, 15, 0, 15
+    d = (torch.rand(8, 2, generator=g) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(8, 2, generator=g) * 0.1).half().float()
+    w = (q.float().reshape(8, 2, 32) * d[..., None] + m[..., None]).reshape(8, 64)
+    qw = formats.quantize(w, "int4", 32)
+    assert torch.equal(formats.unpack_int4(qw.qweight).long(), q)
+    assert torch.allclose(formats.dequantize(qw), w, rtol=0, atol=1e-7)
+    c = torch.zeros(2, 64)
+    c[0, :32], c[1] = 0.37, -5.0
+    assert torch.equal(formats.dequantize(formats.quantize(c, "int4", 32)), c)
 
 
 def test_int4_packing_layout():

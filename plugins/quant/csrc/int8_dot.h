@@ -1,7 +1,7 @@
 // Integer dot products of int8 weight rows with rows of int8-quantized x, shared by
-// kiln::linear_int8_a8 (linear_a8.cpp: x quantized once, W8A8) and the decode path of the
-// weight-only kiln::linear_int8 (quant_linear.cpp: x split into three int8 levels, about 22
-// bits of fixed point per row, so the result is the float product's to ~1e-7).
+// kiln::linear_int8_a8 (linear_a8.cpp: x quantized once, W8A8) and the decode paths of the
+// weight-only kiln::linear_int8 / int4 (quant_linear.cpp: x held as three int8 digits of
+// fixed point per row, quantize_digits below, within 2.4e-7 of max|x| of x).
 //
 // The dot products are integer (exact in int32: K * 255 * 127 < 2^31 for K < 66,000), on
 // the widest int8 instructions the compile flags allow:
@@ -81,13 +81,8 @@ inline int64_t digit_pos(int64_t k, bool permute64) {
   return k - i + (i & 15) + (((j & 1) << 1 | j >> 1) << 4);
 }
 
-// x [M, K] as D int8 digits per row (rows m * D + j of the result):
-//   x ~ sx * (c0 + c1 / 128 + ... + c_{D-1} / 128^(D-1)),  s[m * D + j] = sx / 128^j,
-// c0 = round_half_even(x / sx) in -127..127 with sx = max|x| / 127 (1 for an all-zero row),
-// and each next digit the rounded remainder times 128 (-64..64). D = 1 is W8A8's per-row
-// quantization, the same arithmetic as quantize_activations in ops.py; D = 3 is at most
-// max|x| / (2 * 127 * 128^2) = 2.4e-7 max|x| from x. Vectorized: this runs on every call.
 // The digits of one row a = x / sx (r: scratch of K floats); digit j goes to out + j * stride.
+// Vectorized: this runs on every call of a decode step's linears.
 inline void digits_of(const float* a, float* r, int64_t K, int D, int8_t* out, int64_t stride,
                       bool permute64) {
   for (int j = 0; j < D; ++j) {
@@ -111,7 +106,8 @@ inline void digits_of(const float* a, float* r, int64_t K, int D, int8_t* out, i
       c = _mm256_min_ps(_mm256_set1_ps(lim), _mm256_max_ps(_mm256_set1_ps(-lim), c));
       _mm256_storeu_ps(r + k, _mm256_mul_ps(_mm256_sub_ps(v, c), _mm256_set1_ps(128.f)));
       const __m256i i32 = _mm256_cvtps_epi32(c);
-      const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+      const __m128i i16 =
+          _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
       const __m128i i8 = _mm_packs_epi16(i16, i16);
       // 8 elements at a multiple of 8 never straddle a 16-element run of digit_pos
       _mm_storel_epi64(reinterpret_cast<__m128i*>(o + digit_pos(k, permute64)), i8);
@@ -125,25 +121,35 @@ inline void digits_of(const float* a, float* r, int64_t K, int D, int8_t* out, i
   }
 }
 
+// x [M, K] as D int8 digits per row (rows m * D + j of the result):
+//   x ~ sx * (c0 + c1 / 128 + ... + c_{D-1} / 128^(D-1)),  s[m * D + j] = sx / 128^j,
+// c0 = round_half_even(x / sx) in -127..127 with sx = max|x| / 127 (1 for an all-zero row),
+// and each next digit the rounded remainder times 128 (-64..64). D = 1 is W8A8's per-row
+// quantization, the same arithmetic as quantize_activations in ops.py; D = 3 is at most
+// max|x| / (2 * 127 * 128^2) = 2.4e-7 max|x| from x. Rows in parallel (from 4096 elements).
 inline QuantX quantize_digits(const float* x, int64_t M, int64_t K, int D, bool permute64 = false) {
   QuantX qx(M * D, K);
-  std::vector<float> a(K), r(K);
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xr = x + m * K;
-    float amax = 0.f;
-    int64_t k = 0;
+  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
+                   [&](int64_t m0, int64_t m1) {
+    std::vector<float> a(K), r(K);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = x + m * K;
+      float amax = 0.f;
+      int64_t k = 0;
 #if defined(__AVX512F__)
-    __m512 vmax = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
-    amax = _mm512_reduce_max_ps(vmax);
+      __m512 vmax = _mm512_setzero_ps();
+      for (; k + 16 <= K; k += 16)
+        vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xr + k)));
+      amax = _mm512_reduce_max_ps(vmax);
 #endif
-    for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
-    const float sc = amax > 0.f ? amax / 127.f : 1.f;
-    for (k = 0; k < K; ++k) a[k] = xr[k] / sc;   // a division, as the reference divides
-    digits_of(a.data(), r.data(), K, D, qx.q.data() + m * D * K, K, permute64);
-    float unit = sc;
-    for (int j = 0; j < D; ++j, unit /= float(1 << kDigitBits)) qx.s[m * D + j] = unit;
-  }
+      for (; k < K; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float sc = amax > 0.f ? amax / 127.f : 1.f;
+      for (k = 0; k < K; ++k) a[k] = xr[k] / sc;   // a division, as the reference divides
+      digits_of(a.data(), r.data(), K, D, qx.q.data() + m * D * K, K, permute64);
+      float unit = sc;
+      for (int j = 0; j < D; ++j, unit /= float(1 << kDigitBits)) qx.s[m * D + j] = unit;
+    }
+  });
   return qx;
 }
 

@@ -25,7 +25,8 @@
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
 #if KILN_INT8_DOT_VNNI
-#define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"
+#define KILN_QUANT_PATH \
+  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"
 #else
 #define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders"
 #endif
@@ -438,13 +439,21 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
 //   y = sum_g s_g sum_k q_k x_k - sum_g s_g z_g X_g   (X_g: the group's exact sum of x).
 // x is held as three digits of fixed point (int8_dot.h's quantize_digits: x ~ sx (c0 + c1 /
 // 128 + c2 / 128^2), 2.4e-7 of max|x| off). The codes q (u8, 0..15) go straight into vpdpbusd
-// against each digit, and the digits combine in the int32 lanes ((d0 << 14) + (d1 << 7) + d2: three vpdpbusd and two shifts per 64 weights, no
-// decode to float); each lane is then scaled by its group's s in float. 64 weights a step:
+// against each digit, and the digits combine in the int32 lanes, (d0 << 14) + (d1 << 7) + d2
+// (|d0| <= 4 * 15 * 127, so under 2^27): three vpdpbusd and two shifts per 64 weights, no
+// decode to float; each lane is then scaled by its group's s in float. 64 weights a step:
 // their 32 packed bytes broadcast to both halves of a register, the upper half shifted down
 // a nibble, so the codes come in the order [0..15, 32..47, 16..31, 48..63] of the step, the
 // order the digits of x are stored in. SmolLM2's w13 streamed, 2 threads, Zen 4, this vs the
 // float decoder: 1 row of x 36 vs 82 us, 2 rows 63 vs 72, 3 rows 76 vs 85, 4 rows 101 vs 100,
 // 7 rows 147 vs 178 (used below kTileMinM rows).
+// The scales of groups g, g + 1 (G = 32) for the lanes of one 64-weight step (lanes_group:
+// which of the two each lane's products belong to).
+inline __m512 two_group_scales(const float* s, __m512i lanes_group) {
+  const __m128 pair = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(s)));
+  return _mm512_permutexvar_ps(lanes_group, _mm512_castps128_ps512(pair));
+}
+
 template <int R>
 inline void int4_digits_rows(const Int4Dec& d, const kiln_int8::QuantX& x, const float* xg,
                              int64_t r0, int64_t n, const float* bias, float* out, int64_t ldo) {
@@ -458,10 +467,10 @@ inline void int4_digits_rows(const Int4Dec& d, const kiln_int8::QuantX& x, const
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 64) {
-    const __m512i b = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k / 2)));
+    const __m512i b =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k / 2)));
     const __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(b, 0xFFFF0000u, b, 4), nib);
-    const __m512 s = G == 32 ? _mm512_permutexvar_ps(lanes_group, _mm512_castps128_ps512(
-                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(sc + (k >> 5))))))
+    const __m512 s = G == 32 ? two_group_scales(sc + (k >> 5), lanes_group)
                              : _mm512_set1_ps(sc[k >> gshift]);    // G >= 64: one group
     for (int r = 0; r < R; ++r) {
       const int8_t* c = x.q.data() + (r0 + r) * kXDigits * K + k;
@@ -478,7 +487,8 @@ inline void int4_digits_rows(const Int4Dec& d, const kiln_int8::QuantX& x, const
     acc[r] = _mm512_mul_ps(acc[r], _mm512_set1_ps(x.s[(r0 + r) * kXDigits + kXDigits - 1]));
   for (int64_t g = 0; g < NG; g += 16) {
     const __mmask16 mk = NG - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (NG - g)) - 1);
-    const __m512 sz = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + g), _mm512_maskz_loadu_ps(mk, zr + g));
+    const __m512 sz =
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sc + g), _mm512_maskz_loadu_ps(mk, zr + g));
     for (int r = 0; r < R; ++r)
       acc[r] = _mm512_fnmadd_ps(sz, _mm512_maskz_loadu_ps(mk, xg + (r0 + r) * NG + g), acc[r]);
   }

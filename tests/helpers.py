@@ -190,12 +190,13 @@ HEAD_SHAPES = [             # (H, KVH, D, tokens_per_block)
 ]
 SEQ_SHAPES = [              # [(tokens already in the pool, tokens this step)] per batch
     [(2047, 1)],                               # one long decode: context split into parts
+    [(300, 1)],                                # two equal-length parts (160 + 141 tokens)
     [(511, 1)] * 32,                           # decode batch
     [(0, 512)],                                # one long prefill chunk, many query tiles
     [(1000, 300), (7, 1)],                     # chunk with earlier context + decode
     [(0, 1)],
 ]
-SEQ_SHAPE_IDS = ["decode1-2048", "decode32-512", "prefill512", "chunk-after-context",
+SEQ_SHAPE_IDS = ["decode1-2048", "decode1-301", "decode32-512", "prefill512", "chunk-after-context",
                  "first-token"]
 
 

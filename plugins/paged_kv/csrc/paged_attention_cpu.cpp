@@ -516,8 +516,8 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
                                      op, ws, w);
   });
 
-  if (ws_size > 0) {
-    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+  if (ws_size > 0) {   // merging is D floats per partition: a few groups run inline
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 8, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(D);
       for (int64_t i = begin; i < end; ++i)
         if (groups[i].nparts > 1) merge_group<scalar_t>(P, groups[i], ws, op, acc.data());
@@ -575,9 +575,11 @@ Work plan_work(Problem& P, const Index& qsl, const Index& cl, int64_t B) {
   const int64_t threads = at::get_num_threads();
   P.part_len = std::numeric_limits<int64_t>::max() / 2;
   if (base_groups > 0 && base_groups < 4 * threads) {
-    const int64_t want = ceil_div(8 * threads, base_groups);  // partitions per group
-    const int64_t len = std::max<int64_t>(ceil_div(max_ctx, want), 128);
-    P.part_len = ceil_div(len, bs) * bs;
+    // partitions per group: enough items for every thread, none shorter than 128 tokens,
+    // and of equal length (129 tokens: 80 + 49, not 128 + 1)
+    const int64_t want = ceil_div(8 * threads, base_groups);
+    const int64_t parts = std::max<int64_t>(1, std::min(want, max_ctx / 128));
+    P.part_len = ceil_div(ceil_div(max_ctx, parts), bs) * bs;
   }
   Work w;
   w.groups.reserve(base_groups);

@@ -64,14 +64,16 @@ def main() -> None:
         qws = [formats.quantize(w, scheme, gs) for w in ws]
         nbytes = sum(t.nbytes for q in qws for t in (q.qweight, q.scales, q.zeros)
                      if t is not None)
-        return lambda: [ops.quant_linear(x, q, None, activations=activations) for q in qws], nbytes
+        return (lambda: [ops.quant_linear(x, q, None, activations=activations) for q in qws],
+                nbytes)
 
     wb = [w.bfloat16() for w in ws]
-    runs = {"fp32 F.linear (MKL sgemv)": (lambda: [F.linear(x, w) for w in ws], 4 * ws[0].numel() * layers),
+    f32_bytes = sum(w.nbytes for w in ws)
+    runs = {"fp32 F.linear (MKL sgemv)": (lambda: [F.linear(x, w) for w in ws], f32_bytes),
             "fp32 kiln::linear_fp32": (lambda: [torch.ops.kiln.linear_fp32(x, w, None)
-                                                 for w in ws], 4 * ws[0].numel() * layers),
+                                                 for w in ws], f32_bytes),
             "bf16 kiln::linear_bf16": (lambda: [torch.ops.kiln.linear_bf16(x, w, None)
-                                                 for w in wb], 2 * ws[0].numel() * layers),
+                                                 for w in wb], f32_bytes // 2),
             "int8 kiln::linear_int8": packed("int8"),
             "fp8 kiln::linear_fp8": packed("fp8"),
             "int4 g32 kiln::linear_int4": packed("int4", 32),
@@ -82,7 +84,8 @@ def main() -> None:
           "GB/s of packed weight bytes (codes, scales, zeros or mins)")
     for name, (fn, nbytes) in runs.items():
         t = best_us(fn, 1, reps=5) / 1e6
-        print(f"  {name:28} {t * 1e3:6.2f} ms  {nbytes / 2**20:6.1f} MiB  {nbytes / t / 1e9:5.1f} GB/s")
+        print(f"  {name:28} {t * 1e3:6.2f} ms  {nbytes / 2**20:6.1f} MiB  "
+              f"{nbytes / t / 1e9:5.1f} GB/s")
 
 if __name__ == "__main__":
     main()

@@ -14,7 +14,8 @@ Each round runs every plan once in turn (interleaved, so drift in machine load h
 medians over rounds. Each round also measures the machine's read rate (torch.sum over 1 GiB,
 same threads), and the batch-1 step is given as a multiple of its bandwidth floor: plan size /
 read rate (the plan's bytes are its weights plus about 3 MB of tokenizer and code; the step
-reads every weight once, the tied embedding table as the lm_head). --build builds missing plans first (model_specs/smollm2-135m-*-cpu.yaml).
+reads every weight once, the tied embedding table as the lm_head). --build builds missing
+plans first (model_specs/smollm2-135m-*-cpu.yaml).
 """
 from __future__ import annotations
 
@@ -146,13 +147,14 @@ def main() -> None:
             for p, r in runners.items():
                 times[(p, 1)].append(r.time_step(1, reps=5))
                 times[(p, 32)].append(r.time_step(32, reps=2))
+        rate = statistics.median(rates)
         for p in runners:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
-            rows[p][f"read_gb_s_t{th}"] = statistics.median(rates) / 1e9
-            rows[p][f"b1_x_floor_t{th}"] = (rows[p][f"b1_ms_t{th}"] / 1e3) / (
-                rows[p]["size"] / statistics.median(rates))
-        print(f"{th} thread(s): read rate {statistics.median(rates) / 1e9:.1f} GB/s (median; "
+            rows[p][f"read_gb_s_t{th}"] = rate / 1e9
+            floor_s = rows[p]["size"] / rate          # every weight byte read once
+            rows[p][f"b1_x_floor_t{th}"] = rows[p][f"b1_ms_t{th}"] / 1e3 / floor_s
+        print(f"{th} thread(s): read rate {rate / 1e9:.1f} GB/s (median; "
               f"rounds {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f})")
     base = rows.get("fp32")
     isas = {read_manifest(plan_dir(p, args.isa)).target.isa for p in args.precisions}

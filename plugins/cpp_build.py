@@ -2,7 +2,8 @@
 
 The builder calls `build_library` and copies the .so into the plan; the runtime calls
 `load_library` on the plan's copy before loading the engine. Builds are cached by a hash of
-the sources (and the headers beside them), flags and torch version, so tests and unchanged rebuilds compile nothing.
+the sources (and the headers beside them), flags and torch version, so tests and unchanged
+rebuilds compile nothing.
 
 The library is compiled for one CPU ISA level (plugins/isa.py), the level the builder also
 pins AOTInductor to, so a plan's kernels and its compiled graph need the same instructions.

@@ -190,7 +190,7 @@ HEAD_SHAPES = [             # (H, KVH, D, tokens_per_block)
 ]
 SEQ_SHAPES = [              # [(tokens already in the pool, tokens this step)] per batch
     [(2047, 1)],                               # one long decode: context split into parts
-    [(300, 1)],                                # two equal-length parts (160 + 141 tokens)
+    [(300, 1)],                                # two parts of about equal length (160 + 141)
     [(511, 1)] * 32,                           # decode batch
     [(0, 512)],                                # one long prefill chunk, many query tiles
     [(1000, 300), (7, 1)],                     # chunk with earlier context + decode

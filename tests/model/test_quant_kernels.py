@@ -205,10 +205,7 @@ def test_decode_digits_precision_with_an_outlier_channel(m, scheme, gs):
     w = torch.randn(576, 1536, generator=g) * 0.05
     qw = formats.quantize(w, scheme, gs)
     out = ops.quant_linear(x, qw)
-    args = (qw.qweight, qw.scales, qw.zeros, qw.group_size) if scheme == "int4" else \
-        (qw.qweight, qw.scales)
-    wd = (formats.dequantize_int4(*args) if scheme == "int4"
-          else formats.dequantize_int8(*args))
+    wd = formats.dequantize(qw)
     ref = x.double() @ wd.double().T
     bound = (x.abs().amax(dim=1, keepdim=True).double() / (2 * 127 * 128 ** 2)) * \
         wd.double().abs().sum(dim=1)[None, :]

@@ -576,7 +576,7 @@ Work plan_work(Problem& P, const Index& qsl, const Index& cl, int64_t B) {
   P.part_len = std::numeric_limits<int64_t>::max() / 2;
   if (base_groups > 0 && base_groups < 4 * threads) {
     // partitions per group: enough items for every thread, none shorter than 128 tokens,
-    // and of equal length (129 tokens: 80 + 49, not 128 + 1)
+    // of about equal length (129 tokens: one part, not 128 + 1; 301: 160 + 141)
     const int64_t want = ceil_div(8 * threads, base_groups);
     const int64_t parts = std::max<int64_t>(1, std::min(want, max_ctx / 128));
     P.part_len = ceil_div(ceil_div(max_ctx, parts), bs) * bs;

@@ -298,6 +298,11 @@ struct Prepared {
   at::Tensor x;     // [M, K] float32 contiguous
   at::Tensor out;   // [M, N] float32
   at::Tensor bias;  // [N] float32 contiguous, or undefined
+
+  // What the op returns: out in the dtype of the caller's x.
+  at::Tensor result(const at::Tensor& x_in) const {
+    return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  }
 };
 
 Prepared prepare(const at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
@@ -328,7 +333,7 @@ at::Tensor run(const Dec& d, const at::Tensor& x, int64_t N, int64_t K,
     else
       gemv(d, p.x.data_ptr<float>(), M, K, N, b, p.out.data_ptr<float>());
   }
-  return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  return p.result(x);
 }
 
 void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op) {
@@ -356,7 +361,7 @@ at::Tensor int8_digits_gemv(const at::Tensor& x, const at::Tensor& qweight,
   const int64_t N = qweight.size(0), K = qweight.size(1);
   Prepared p = prepare(x, N, K, bias, op);
   const int64_t M = p.x.size(0);
-  if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  if (M == 0 || N == 0) return p.result(x);
   kiln_int8::QuantX qx = kiln_int8::quantize_digits(p.x.data_ptr<float>(), M, K, kXDigits);
   qx.finish();
   const float* sw = scales.data_ptr<float>();
@@ -374,7 +379,7 @@ at::Tensor int8_digits_gemv(const at::Tensor& x, const at::Tensor& qweight,
         y[m * N + n0 + j] = v * sw[n0 + j] + (b ? b[n0 + j] : 0.f);
       }
   });
-  return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  return p.result(x);
 }
 
 #endif
@@ -418,7 +423,7 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
       at::addmm_out(p.out, p.bias, p.x, weight.t());
     else
       at::mm_out(p.out, p.x, weight.t());
-    return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+    return p.result(x);
   }
   F32Dec d{weight.data_ptr<float>(), K};
   return run(d, x, N, K, bias, op);
@@ -501,7 +506,7 @@ at::Tensor int4_digits_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
   const int64_t K = d.K;
   Prepared p = prepare(x, N, K, bias, op);
   const int64_t M = p.x.size(0);
-  if (M == 0 || N == 0) return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  if (M == 0 || N == 0) return p.result(x);
   const float* xp = p.x.data_ptr<float>();
   const kiln_int8::QuantX xd = kiln_int8::quantize_digits(xp, M, K, kXDigits, /*permute64=*/true);
   std::vector<float> xg(M * d.NG, 0.0f);   // sums of x per group
@@ -526,7 +531,7 @@ at::Tensor int4_digits_gemv(const Int4Dec& d, const at::Tensor& x, int64_t N,
         }
       }
   });
-  return x.scalar_type() == at::kFloat ? p.out : p.out.to(x.scalar_type());
+  return p.result(x);
 }
 #endif
 

@@ -308,12 +308,36 @@ def load_engine(path: Path, engine: EngineSection,
             load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
         f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
         if engine.backend == "aoti":
-            runner = torch._inductor.aoti_load_package(str(f))
-        else:
-            runner = torch.export.load(str(f)).module()
+            return _aoti_step(torch._inductor.aoti_load_package(str(f)), path, fix)
+        runner = torch.export.load(str(f)).module()
 
     def step(*args):
         return runner(*args)
+    return step
+
+
+def _aoti_step(runner, path: Path, fix: str) -> StepFn:
+    """The compiled engine's call without its per-call generic wrapper: AOTICompiledModel
+    parses its input and output tree specs from JSON and flattens the arguments with pytree on
+    every call (about 0.1 ms a step, 3% of a SmolLM2 decode step). The step's arguments are
+    tensors and two lists of tensors (the KV pools), flattened here in pytree's order; the
+    first call checks that order against the engine's own input spec."""
+    import torch.utils._pytree as pytree
+
+    loader = runner.loader
+    in_spec, out_spec = (pytree.treespec_loads(s) for s in loader.get_call_spec())
+    checked = False
+
+    def step(*args):
+        nonlocal checked
+        if not checked:
+            spec = pytree.tree_flatten((args, {}))[1]
+            if spec != in_spec:
+                raise PlanError(f"plan {path}: the engine takes inputs shaped {in_spec}, the "
+                                f"runtime passes {spec}. Rebuild: {fix}", "engine.file")
+            checked = True
+        flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        return pytree.tree_unflatten(loader.boxed_run(flat), out_spec)
     return step
 
 

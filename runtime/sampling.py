@@ -149,6 +149,15 @@ class SamplingState:
         return cls(params, gen, bad, tuple(stop_ids) if params.min_tokens else ())
 
 
+def _argmax(x: torch.Tensor) -> list[int]:
+    """Row-wise argmax of [B, vocab] -> ids (the first maximum; NaN counts as the maximum,
+    as in torch). On CPU through numpy: ATen's argmax over a 49k vocabulary takes 30 us,
+    numpy's 4 us, once per decode step."""
+    if x.device.type == "cpu":
+        return x.detach().numpy().argmax(axis=-1).tolist()
+    return x.argmax(dim=-1).tolist()
+
+
 class Sampler:
     """Samples one token per row of a logits batch; rows are (SamplingState, token history)."""
 
@@ -167,7 +176,7 @@ class Sampler:
         temps = [p.temperature for p in P]
         greedy = [t == 0 for t in temps]
         if all(greedy):
-            return logits.argmax(dim=-1).tolist()
+            return _argmax(logits)
         x = logits / torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
         ks = [p.top_k if p.top_k > 0 else V for p in P]
         if min(ks) < V:
@@ -193,10 +202,10 @@ class Sampler:
         for i, s in enumerate(states):
             if s.generator is not None:
                 noise[i].exponential_(generator=s.generator)
-        tokens = (probs / noise).argmax(dim=-1)
+        tokens = _argmax(probs / noise)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
-        return tokens.tolist()
+            tokens = [a if g else t for a, t, g in zip(_argmax(logits), tokens, greedy)]
+        return tokens
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]

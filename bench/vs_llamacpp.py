@@ -14,6 +14,8 @@ compared number is the decode rate, 1 / mean TPOT (the gaps between streamed tok
 the first), as tg128 is llama.cpp's decode rate without a prompt; the rate with each
 request's prefill and first token included is printed too ("e2e"). The plan's compiled step
 alone is timed in this process between rounds: gRPC efficiency = decode rate x step time.
+Where the rest goes: the CPU each of the server's threads (by OS thread name, from /proc) and
+this client used over the single-stream run, per output token.
 
 Rounds alternate the two systems (llama.cpp, then Kiln, ...) so that drift in machine load
 hits both; the ratios printed are of the medians. Both use --threads threads.
@@ -24,6 +26,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import signal
 import statistics
 import subprocess
@@ -85,6 +88,27 @@ def step_ms(plan: str, threads: int, context: int = 128, reps: int = 50) -> floa
     return min(runner.time_step(1, reps) for _ in range(3)) * 1e3
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) the threads of process `pid` have used, summed by OS thread
+    name (`kiln serve` names its own: kiln-serve, the event loop; kiln-post; kiln-engine, the
+    engine thread and its OpenMP workers; gRPC's core threads have theirs)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:       # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
     from runtime.server.loadgen import run_loadgen
 
@@ -96,11 +120,20 @@ def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
         wait_serving(port, proc)
         url = f"127.0.0.1:{port}"
         quiet = lambda *a, **k: None   # noqa: E731
+        server0, client0 = thread_cpu(proc.pid), own_cpu()
         one = run_loadgen(url, requests=4, output_len=ntg, concurrencies=(1,), print_fn=quiet)
+        server1, client1 = thread_cpu(proc.pid), own_cpu()
         many = run_loadgen(url, requests=requests32, output_len=ntg, concurrencies=(32,),
                            print_fn=quiet)
         tpot = one["levels"][0]["tpot_s"]
+        per_token = 1e3 / one["levels"][0]["output_tokens"]
+        cpu = {name: (t - server0.get(name, 0.0)) * per_token for name, t in server1.items()}
+        step_cpu = cpu.pop("kiln-engine", 0.0)
         return {"tg1_tok_s": 1.0 / tpot["mean"],
+                "tg1_cpu_ms_per_token": {"step_threads": step_cpu,
+                                         "serving_threads": sum(cpu.values()),
+                                         "client": (client1 - client0) * per_token,
+                                         "serving_by_thread": cpu},
                 "tg1_e2e_tok_s": one["levels"][0]["output_tokens_per_s"],
                 "tg32_tok_s": many["levels"][0]["output_tokens_per_s"],
                 "tpot1_p50_ms": tpot["p50"] * 1000}
@@ -127,8 +160,10 @@ def main() -> None:
         rounds["kiln"].append(kiln_round(args.plan, args.threads, args.ntg, args.requests32))
         rounds["kiln"][-1]["step_ms"] = step_ms(args.plan, args.threads)
         print(f"round {i + 1}: " + json.dumps(rounds), flush=True)
-    med = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-           for who, rs in rounds.items()}
+    med = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]
+                 if not isinstance(rs[0][k], dict)} for who, rs in rounds.items()}
+    cpu = {k: statistics.median(r["tg1_cpu_ms_per_token"][k] for r in rounds["kiln"])
+           for k in ("step_threads", "serving_threads", "client")}
     ratios = {"1_stream": med["kiln"]["tg1_tok_s"] / med["llama.cpp"]["tg1_tok_s"],
               "1_stream_e2e": med["kiln"]["tg1_e2e_tok_s"] / med["llama.cpp"]["tg1_tok_s"],
               "32_streams": med["kiln"]["tg32_tok_s"] / med["llama.cpp"]["tg32_tok_s"],
@@ -137,6 +172,7 @@ def main() -> None:
 
     report = {"date": time.strftime("%Y-%m-%d"), "plan": args.plan, "gguf": gguf.name,
               "threads": args.threads, "rounds": rounds, "median": med, "ratio": ratios,
+              "tg1_cpu_ms_per_token_median": cpu,
               "cpu": platform.processor() or platform.machine(),
               "host_isa": host_level(cpu_flags()).name}
     print(f"{'':12} {'llama.cpp':>10} {'kiln':>10} {'ratio':>7}")
@@ -146,6 +182,9 @@ def main() -> None:
         print(f"{label:12} {a:10.1f} {b:10.1f} {b / a:6.2f}x   tok/s")
     print(f"kiln compiled step {med['kiln']['step_ms']:.2f} ms ({1e3 / med['kiln']['step_ms']:.0f}"
           f" steps/s); single-stream decode over gRPC {ratios['grpc_efficiency']:.0%} of it")
+    print(f"CPU per output token at 1 stream, beside the step's threads: the server's other "
+          f"threads {cpu['serving_threads']:.2f} ms, this client {cpu['client']:.2f} ms (on the "
+          f"same {os.cpu_count()} cores; the warm-up and prefills are counted too)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

@@ -16,6 +16,7 @@ tokenizing) then never owns a pool that competes with the step's.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -46,8 +47,23 @@ def claim_process(threads: Optional[int] = None) -> int:
     return n
 
 
+def name_os_thread(name: str) -> None:
+    """Name the calling thread in the OS (15 bytes at most), as `top -H`, `ps -L` and
+    /proc/PID/task/TID/comm show it; threads it starts afterwards inherit the name (the
+    engine thread's OpenMP workers). Python's thread names stay inside Python. Linux only;
+    elsewhere nothing happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def enter_engine_thread(threads: Optional[int]) -> None:
-    """On the engine thread, before its first step: its OpenMP/ATen thread count."""
+    """On the engine thread, before its first step: its name in the OS and its OpenMP/ATen
+    thread count."""
+    name_os_thread("kiln-engine")
     if threads:
         import torch
 

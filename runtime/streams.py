@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from runtime.compute import name_os_thread
 from runtime.sampling import TokenLogprobs
 
 
@@ -94,6 +95,7 @@ class LoopPost:
         self._q.put((aq, out))
 
     def _run(self) -> None:
+        name_os_thread("kiln-post")
         while True:
             try:
                 batch = [self._q.get(timeout=self.IDLE_S)]

@@ -28,6 +28,7 @@ from tritonclient.grpc import service_pb2_grpc as kserve_pb2_grpc
 
 from kiln_contracts import FieldError
 from kiln_contracts.manifest import PlanManifest
+from runtime.compute import name_os_thread
 from runtime.engine import Engine, EngineConfig
 from runtime.plan import Plan, load_plan, read_manifest
 from runtime.server.auth import BearerToken
@@ -129,6 +130,7 @@ def _refusing(handler):
 
 async def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM/SIGINT and a drain; the process's exit code."""
+    name_os_thread("kiln-serve")   # the event loop's thread (and the process, in ps/top)
     _, model_name = check_config(cfg)
     fe = Frontend(model_name, limits=cfg.limits)
     interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []

@@ -95,3 +95,20 @@ def test_seed_independent_of_batch_companions():
     seq_batched = [Sampler()(logits, [others[0], st, others[1], others[2]],
                              [[1]] * 4, [1] * 4)[1] for _ in range(10)]
     assert seq_batched == seq_alone and len(set(seq_alone)) > 1
+
+
+def test_greedy_ties_nan_and_mixed_batches_pick_as_torch_argmax_does():
+    """The greedy path takes the argmax through numpy: same first-maximum tie rule and NaN
+    rule as torch.argmax, in an all-greedy batch and in a mixed one."""
+    logits = torch.zeros(4, V)
+    logits[0, [3, 9]] = 2.0                       # a tie: the first index wins
+    logits[1, 7] = float("nan")                   # NaN counts as the maximum
+    logits[2, V - 1] = 1.0
+    logits[3] = torch.arange(V, dtype=torch.float32).flip(0)
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected == [3, 7, V - 1, 0]
+    greedy = SamplingParams(temperature=0)
+    assert run(logits, [greedy] * 4) == expected
+    mixed = [greedy, greedy, SamplingParams(temperature=1.0, seed=1), greedy]
+    out = run(logits[[0, 2, 2, 3]], mixed)
+    assert out[0] == 3 and out[1] == V - 1 and out[3] == 0 and 0 <= out[2] < V

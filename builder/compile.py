@@ -120,9 +120,10 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
     """AOTInductor-compile the exported program into `path` (or save it uncompiled); a CPU
     plan's code is generated for its ISA level, a GPU plan's (level None) for the device."""
     if backend == "aoti":
-        from builder.target import inductor_isa
+        from builder.target import inductor_isa, serial_small_kernels
 
-        with inductor_isa(level) if level is not None else contextlib.nullcontext():
+        with inductor_isa(level) if level is not None else contextlib.nullcontext(), \
+                serial_small_kernels() if level is not None else contextlib.nullcontext():
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     elif backend == "eager":
         torch.export.save(ep, str(path))

@@ -1,6 +1,7 @@
 """builder.target.serial_small_kernels: AOTInductor's CPU kernels fork their OpenMP region
 only for calls of at least `min_elements` elements and run smaller ones on the calling
 thread; both paths compute what the eager function does."""
+import os
 import zipfile
 
 import pytest
@@ -16,7 +17,19 @@ class Fused(torch.nn.Module):
         return torch.nn.functional.silu(x) * w + x.sum(-1, keepdim=True)
 
 
-def test_small_calls_run_serial_large_ones_parallel_both_match_eager(tmp_path):
+@pytest.fixture
+def all_cores():
+    """Inductor writes a region without num_threads (the only kind rewritten) when the
+    compiling thread count equals the CPU count; other tests leave torch at one thread."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one CPU: Inductor writes no parallel regions")
+    prev = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count())
+    yield
+    torch.set_num_threads(prev)
+
+
+def test_small_calls_run_serial_large_ones_parallel_both_match_eager(tmp_path, all_cores):
     width, threshold = 64, 256
     model, w = Fused(), torch.randn(width)
     tokens = torch.export.Dim("tokens", min=1, max=4096)

@@ -122,8 +122,10 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
     if backend == "aoti":
         from builder.target import inductor_isa, serial_small_kernels
 
-        with inductor_isa(level) if level is not None else contextlib.nullcontext(), \
-                serial_small_kernels() if level is not None else contextlib.nullcontext():
+        with contextlib.ExitStack() as cpu_codegen:
+            if level is not None:      # a CPU plan: its ISA, and small kernels on one thread
+                cpu_codegen.enter_context(inductor_isa(level))
+                cpu_codegen.enter_context(serial_small_kernels())
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     elif backend == "eager":
         torch.export.save(ep, str(path))

@@ -38,16 +38,14 @@ def test_plan_layout(tiny_plan):
 
 def test_engine_call_checks_its_argument_layout_once(tiny_plan):
     """The runtime flattens the step's arguments itself (not through pytree each call); the
-    first call checks that layout against the engine's input spec and names the mismatch."""
-    from runtime.plan import load_step_fn
-
+    first call checks that layout against the engine's input spec and names the mismatch; a
+    refused call leaves the engine usable."""
     plan = load_plan(tiny_plan)
     ex = Executor.from_plan(plan)
+    step = ex.step_fn
     inp = ModelInput.build([[1, 2, 3]], [0], [[1]], plan.manifest.kv_cache.tokens_per_block)
-    wrong = load_step_fn(plan)
     with pytest.raises(PlanError, match="the engine takes inputs shaped"):
-        wrong(*inp.args(), ex.k_caches[:-1], ex.v_caches)   # one layer's pool missing
-    step = load_step_fn(plan)
+        step(*inp.args(), ex.k_caches[:-1], ex.v_caches)   # one layer's pool missing
     with torch.inference_mode():
         logits = step(*inp.args(), ex.k_caches, ex.v_caches)
     assert logits.shape == (1, plan.shape.vocab_size) and torch.isfinite(logits).all()

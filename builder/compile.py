@@ -120,12 +120,12 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
     """AOTInductor-compile the exported program into `path` (or save it uncompiled); a CPU
     plan's code is generated for its ISA level, a GPU plan's (level None) for the device."""
     if backend == "aoti":
-        from builder.target import inductor_isa, serial_small_kernels
+        from builder.target import inductor_isa, kernel_regions
 
         with contextlib.ExitStack() as cpu_codegen:
-            if level is not None:      # a CPU plan: its ISA, and small kernels on one thread
+            if level is not None:      # a CPU plan: its ISA, regions for any thread count
                 cpu_codegen.enter_context(inductor_isa(level))
-                cpu_codegen.enter_context(serial_small_kernels())
+                cpu_codegen.enter_context(kernel_regions())
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     elif backend == "eager":
         torch.export.save(ep, str(path))

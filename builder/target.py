@@ -106,26 +106,38 @@ def inductor_isa(level: cpu_isa.IsaLevel):
 
 # Fewer elements than this in a fused kernel and its OpenMP region is not worth opening.
 SERIAL_BELOW_ELEMENTS = 8192
+# The thread count Inductor's loop-splitting heuristic plans for (how many loops of a kernel
+# it collapses into the parallel one); fixed, so the build machine's cores never enter a plan.
+CODEGEN_THREADS = 8
 
 
 @contextlib.contextmanager
-def serial_small_kernels(min_elements: int = SERIAL_BELOW_ELEMENTS):
-    """Make AOTInductor's CPU kernels open their OpenMP region only when the call is large.
+def kernel_regions(min_elements: int = SERIAL_BELOW_ELEMENTS):
+    """Make AOTInductor's CPU kernels independent of the build machine's thread count, and
+    open their OpenMP region only when the call is large.
 
-    Inductor decides at compile time whether a fused kernel runs in parallel, from the size
-    hints of its loops; the token count of the engine step is dynamic, so the norms, RoPE and
-    residual adds of a SmolLM2 step each open a 2-thread region even at decode, where one
-    token's 576-3072 elements are a single iteration of the parallel loop: one thread works,
-    the other waits, and the fork and join cost more than the work (about 230 regions a
-    step, 460 of its 770 futex calls). An OpenMP `if` clause does not help: libgomp still
-    forms a one-thread team and wakes its barrier (measured: 120 of the 460 futex calls
-    saved, the step 2% faster). So inside, a region whose element count depends on a dynamic
-    size is written as a lambda, called through `#pragma omp parallel` when the count is at
-    least `min_elements` and directly otherwise: its `omp for`, `omp single` and barriers
-    are then orphaned constructs, which OpenMP runs on the calling thread alone. Only
-    regions without a num_threads clause are rewritten: Inductor writes those for a thread
-    count known at run time, so their code is correct for a team of one. Sizes known at
-    compile time keep Inductor's choice.
+    Left alone, Inductor writes the compiling process's `torch.get_num_threads()` into the
+    code: at one thread (a `kiln ci` worker, a test session) no kernel is parallel at all; at
+    the machine's CPU count a region has no num_threads clause but a parallel reduction sums
+    into `acc_arr[<that count>]`, indexed by the thread number of a team sized at run time
+    (a plan built on 2 cores and served with 16 threads writes past the array); at any other
+    count the region is `num_threads(N)`, fixed. The same spec gave different plans on
+    different builders, under one fingerprint. Inside, Inductor plans for `CODEGEN_THREADS`
+    and writes every region for a thread count known at run time (`cpp.dynamic_threads`:
+    no num_threads clause, reduction arrays of `omp_get_max_threads()`), so the code is the
+    same on every builder and correct for any team, one thread included.
+
+    Inductor decides at compile time whether a fused kernel runs in parallel; the token
+    count of the engine step is dynamic, so the norms, RoPE and residual adds of a SmolLM2
+    step would each open a region even at decode, where one token's 576-3072 elements are a
+    single iteration of the parallel loop: one thread works, the other waits, and the fork
+    and join cost more than the work (about 230 regions a step, 460 of its 770 futex calls).
+    An OpenMP `if` clause does not help: libgomp still forms a one-thread team and wakes its
+    barrier (measured: 120 of the 460 futex calls saved, the step 2% faster). So each region
+    is written as a lambda, called through `#pragma omp parallel` when the call has at least
+    `min_elements` elements and directly otherwise: its `omp for`, `omp single` and barriers
+    are then orphaned constructs, which OpenMP runs on the calling thread alone. A kernel of
+    static size gets the same test on a constant, which the compiler folds.
     """
     from torch._inductor import config as iconfig
     from torch._inductor.codegen import cpp as icpp
@@ -142,10 +154,7 @@ def serial_small_kernels(min_elements: int = SERIAL_BELOW_ELEMENTS):
 
     def parallel(self, threads):     # WorkSharing.parallel, with the serial path
         elements = getattr(self, "kiln_elements", None)
-        dynamic = (iconfig.cpp.threads < 1 and threads == os.cpu_count()) \
-            or iconfig.cpp.dynamic_threads
-        if elements is None or elements.is_number or not dynamic or \
-                (self.in_parallel and threads == self.num_threads):
+        if elements is None or (self.in_parallel and threads == self.num_threads):
             return saved_parallel(self, threads)
         if self.in_parallel:
             self.close()
@@ -169,6 +178,7 @@ def serial_small_kernels(min_elements: int = SERIAL_BELOW_ELEMENTS):
 
     proxy.codegen_loops_impl, sharing.parallel = codegen_loops_impl, parallel
     try:
-        yield
+        with iconfig.patch({"cpp.threads": CODEGEN_THREADS, "cpp.dynamic_threads": True}):
+            yield
     finally:
         proxy.codegen_loops_impl, sharing.parallel = saved_loops, saved_parallel

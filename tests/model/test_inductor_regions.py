@@ -1,13 +1,13 @@
-"""builder.target.serial_small_kernels: AOTInductor's CPU kernels fork their OpenMP region
-only for calls of at least `min_elements` elements and run smaller ones on the calling
-thread; both paths compute what the eager function does."""
-import os
+"""builder.target.kernel_regions: AOTInductor's CPU kernels are the same whatever thread
+count the build process runs at, correct for any team size at run time, and fork their
+OpenMP region only for calls of at least `min_elements` elements."""
+import contextlib
 import zipfile
 
 import pytest
 import torch
 
-from builder.target import inductor_isa, resolve_level, serial_small_kernels
+from builder.target import inductor_isa, kernel_regions, resolve_level
 
 pytestmark = pytest.mark.model
 
@@ -17,31 +17,60 @@ class Fused(torch.nn.Module):
         return torch.nn.functional.silu(x) * w + x.sum(-1, keepdim=True)
 
 
-@pytest.fixture
-def all_cores():
-    """Inductor writes a region without num_threads (the only kind rewritten) when the
-    compiling thread count equals the CPU count; other tests leave torch at one thread."""
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip("one CPU: Inductor writes no parallel regions")
+class Total(torch.nn.Module):
+    def forward(self, x):      # one reduction over everything: Inductor splits it over threads
+        return (x * x).sum()
+
+
+@contextlib.contextmanager
+def torch_threads(n):
     prev = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count())
-    yield
-    torch.set_num_threads(prev)
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
-def test_small_calls_run_serial_large_ones_parallel_both_match_eager(tmp_path, all_cores):
+def compile_at(ep, path, threads, **regions):
+    with torch_threads(threads), inductor_isa(resolve_level("auto")), kernel_regions(**regions):
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    with zipfile.ZipFile(path) as z:
+        src = "".join(z.read(n).decode() for n in sorted(z.namelist())
+                      if n.endswith("kernel.cpp")).replace("\r", "")
+    # the code alone: the trailing comments name the build's temporary paths
+    return "\n".join(line for line in src.splitlines()
+                     if line.strip() and not line.startswith("//"))
+
+
+def test_small_calls_run_serial_large_ones_parallel_both_match_eager(tmp_path):
     width, threshold = 64, 256
     model, w = Fused(), torch.randn(width)
     tokens = torch.export.Dim("tokens", min=1, max=4096)
     ep = torch.export.export(model, (torch.randn(512, width), w),
                              dynamic_shapes=({0: tokens}, None))
-    with inductor_isa(resolve_level("auto")), serial_small_kernels(min_elements=threshold):
-        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "f.pt2"))
-    with zipfile.ZipFile(path) as z:
-        src = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("kernel.cpp"))
+    src = compile_at(ep, tmp_path / "f.pt2", 1, min_elements=threshold)
     assert "auto kiln_region_0 = [&]()" in src and f">= {threshold}) {{" in src
-    assert "#pragma omp parallel\n" in src.replace("\r", "")
-    run = torch._inductor.aoti_load_package(path)
-    for t in (1, 3, 4, 5, 300):          # 64-192 elements serial, 256 and up forked
-        x = torch.randn(t, width)
-        torch.testing.assert_close(run(x, w), model(x, w), rtol=1e-5, atol=1e-5)
+    assert "#pragma omp parallel\n" in src and "num_threads(" not in src
+    run = torch._inductor.aoti_load_package(str(tmp_path / "f.pt2"))
+    with torch_threads(2):
+        for t in (1, 3, 4, 5, 300):          # 64-192 elements serial, 256 and up forked
+            x = torch.randn(t, width)
+            torch.testing.assert_close(run(x, w), model(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_build_machines_thread_count_never_enters_the_code(tmp_path):
+    """Compiled at 1 and at 3 threads: one source, and a parallel reduction (partial sums
+    per thread) right at 1, 2 and 5 threads, more than either build had."""
+    model = Total()
+    size = torch.export.Dim("size", min=2, max=1 << 22)
+    ep = torch.export.export(model, (torch.randn(1 << 16),), dynamic_shapes=({0: size},))
+    one = compile_at(ep, tmp_path / "one.pt2", 1)
+    three = compile_at(ep, tmp_path / "three.pt2", 3)
+    assert one == three
+    assert "omp_get_max_threads()" in one and "num_threads(" not in one
+    run = torch._inductor.aoti_load_package(str(tmp_path / "one.pt2"))
+    x = torch.randn(1 << 20, dtype=torch.float64).float()
+    for threads in (1, 2, 5):
+        with torch_threads(threads):
+            torch.testing.assert_close(run(x), model(x), rtol=1e-4, atol=1e-2)

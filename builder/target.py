@@ -12,7 +12,6 @@ and a plan for a lower level than this machine's can be built here.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import platform
 
@@ -108,7 +107,7 @@ def inductor_isa(level: cpu_isa.IsaLevel):
 SERIAL_BELOW_ELEMENTS = 8192
 # The thread count Inductor's loop-splitting heuristic plans for (how many loops of a kernel
 # it collapses into the parallel one); fixed, so the build machine's cores never enter a plan.
-CODEGEN_THREADS = 8
+CODEGEN_THREADS = 2
 
 
 @contextlib.contextmanager
@@ -134,10 +133,13 @@ def kernel_regions(min_elements: int = SERIAL_BELOW_ELEMENTS):
     and join cost more than the work (about 230 regions a step, 460 of its 770 futex calls).
     An OpenMP `if` clause does not help: libgomp still forms a one-thread team and wakes its
     barrier (measured: 120 of the 460 futex calls saved, the step 2% faster). So each region
-    is written as a lambda, called through `#pragma omp parallel` when the call has at least
-    `min_elements` elements and directly otherwise: its `omp for`, `omp single` and barriers
-    are then orphaned constructs, which OpenMP runs on the calling thread alone. A kernel of
-    static size gets the same test on a constant, which the compiler folds.
+    is written twice: `if (elements >= min_elements)` Inductor's region, `else` the same block
+    with its `#pragma omp` lines dropped (OpenMP's serial elision: a region's code with its
+    directives ignored is what a team of one runs), plain loops the compiler optimizes like
+    any serial code. (A lambda called through `#pragma omp parallel` or directly, named
+    per region, made every kernel's source unique, so Inductor stopped sharing a layer's
+    kernels with the other layers': 121 kernel functions in the SmolLM2 plan, 10 now.) A
+    kernel of static size gets the same test on a constant, which the compiler folds.
     """
     from torch._inductor import config as iconfig
     from torch._inductor.codegen import cpp as icpp
@@ -146,7 +148,6 @@ def kernel_regions(min_elements: int = SERIAL_BELOW_ELEMENTS):
 
     proxy, sharing = icpp.CppKernelProxy, icpp.WorkSharing
     saved_loops, saved_parallel = proxy.codegen_loops_impl, sharing.parallel
-    regions = itertools.count()
 
     def codegen_loops_impl(self, loop_nest, code, worksharing):
         worksharing.kiln_elements = self.rename_indexing(sympy_product(self.call_ranges))
@@ -159,20 +160,23 @@ def kernel_regions(min_elements: int = SERIAL_BELOW_ELEMENTS):
         if self.in_parallel:
             self.close()
         self.num_threads, self.in_parallel = threads, True
-        name = f"kiln_region_{next(regions)}"
-        code = self.code
+        code, marks = self.code, {}
+        lines = code.get_lines_ref()
 
-        def dispatch():
-            code.writeline(";")
-            code.writeline(f"if ({cexpr_index(elements)} >= {min_elements}) {{")
-            code.writeline("    #pragma omp parallel")
-            code.writeline(f"    {name}();")
-            code.writeline("} else {")
-            code.writeline(f"    {name}();")
-            code.writeline("}")
+        def serial_copy():                     # after both closing braces
+            body = [line.replace("omp_get_thread_num()", "0") if isinstance(line, str) else line
+                    for line in lines[marks["start"]:marks["end"]]
+                    if not (isinstance(line, str) and line.lstrip().startswith("#pragma omp"))]
+            code.writeline("else")
+            with code.indent():
+                lines.extend(body)             # as written, indentation included
 
-        self.stack.callback(dispatch)          # after the lambda's closing brace
-        code.writeline(f"auto {name} = [&]()")
+        self.stack.callback(serial_copy)
+        code.writeline(f"if ({cexpr_index(elements)} >= {min_elements})")
+        self.stack.enter_context(code.indent())
+        code.writeline("#pragma omp parallel")
+        marks["start"] = len(lines)
+        self.stack.callback(lambda: marks.__setitem__("end", len(lines)))
         self.stack.enter_context(code.indent())
         code.writeline("int tid = omp_get_thread_num();")
 

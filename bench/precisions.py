@@ -11,10 +11,12 @@ plan.json: what the build's gate measured), then engine step time through each p
   batch 1:  one decode token with --context tokens of context
   batch 32: 32 sequences decoding one token each, --context tokens of context each
 Each round runs every plan once in turn (interleaved, so drift in machine load hits all alike);
-medians over rounds. Each round also measures the machine's read rate (torch.sum over 1 GiB,
-same threads), and the batch-1 step is given as a multiple of its bandwidth floor: plan size /
-read rate (the plan's bytes are its weights plus about 3 MB of tokenizer and code; the step
-reads every weight once, the tied embedding table as the lm_head). --build builds missing
+medians over rounds. Each plan's batch-1 steps are timed between two measurements of the
+machine's read rate (torch.sum over 1 GiB, same threads; the host's other tenants move it by
+half within a minute), and the batch-1 step is given as a multiple of its bandwidth floor,
+plan size / that read rate, per round, the median over rounds (the plan's bytes are its
+weights plus about 3 MB of tokenizer and code; the step reads every weight once, the tied
+embedding table as the lm_head). --build builds missing
 plans first (model_specs/smollm2-135m-*-cpu.yaml).
 """
 from __future__ import annotations
@@ -80,13 +82,13 @@ class Runner:
 _READ = None
 
 
-def read_rate() -> float:
-    """Bytes per second torch.sum reads from a 1 GiB float32 tensor (best of 3)."""
+def read_rate(reps: int = 2) -> float:
+    """Bytes per second torch.sum reads from a 1 GiB float32 tensor (best of `reps`)."""
     global _READ
     if _READ is None:
         _READ = torch.ones(1 << 28)   # ones: written, so every page is really there
     best = float("inf")
-    for _ in range(3):
+    for _ in range(reps):
         t = time.perf_counter()
         _READ.sum()
         best = min(best, time.perf_counter() - t)
@@ -141,21 +143,28 @@ def main() -> None:
     for th in args.threads:
         torch.set_num_threads(th)
         times = {(p, n): [] for p in runners for n in (1, 32)}
+        floors = {p: [] for p in runners}
         rates = []
         for _ in range(args.rounds):
-            rates.append(read_rate())
             for p, r in runners.items():
-                times[(p, 1)].append(r.time_step(1, reps=5))
+                # the read rate right before and after the plan's batch-1 steps: the host's
+                # other tenants move it by half within a minute
+                before = read_rate()
+                t = r.time_step(1, reps=5)
+                rate = (before + read_rate()) / 2
+                rates.append(rate)
+                times[(p, 1)].append(t)
+                floors[p].append(t / (rows[p]["size"] / rate))   # every weight byte read once
                 times[(p, 32)].append(r.time_step(32, reps=2))
-        rate = statistics.median(rates)
         for p in runners:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
-            rows[p][f"read_gb_s_t{th}"] = rate / 1e9
-            floor_s = rows[p]["size"] / rate          # every weight byte read once
-            rows[p][f"b1_x_floor_t{th}"] = rows[p][f"b1_ms_t{th}"] / 1e3 / floor_s
-        print(f"{th} thread(s): read rate {rate / 1e9:.1f} GB/s (median; "
-              f"rounds {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f})")
+            rows[p][f"read_gb_s_t{th}"] = statistics.median(rates) / 1e9
+            rows[p][f"b1_x_floor_t{th}"] = statistics.median(floors[p])
+            rows[p][f"b1_x_floor_rounds_t{th}"] = floors[p]
+        rate = statistics.median(rates)
+        print(f"{th} thread(s): read rate {rate / 1e9:.1f} GB/s (median beside the batch-1 "
+              f"steps; {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f})")
     base = rows.get("fp32")
     isas = {read_manifest(plan_dir(p, args.isa)).target.isa for p in args.precisions}
     print(f"context {args.context} tokens per sequence; medians of {args.rounds} rounds; "

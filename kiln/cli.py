@@ -210,6 +210,10 @@ def bench(
     seed: int = typer.Option(0, "--seed"),
     json_path: Optional[Path] = typer.Option(None, "--json", help="write results as JSON"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="PNG plot (with --url)"),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", min=1, help="with --offline: compute threads of the engine and of "
+        "the naive baseline (default: OMP_NUM_THREADS, else this process's cores), laid out "
+        "as `kiln serve` does"),
 ):
     """Benchmark a plan in-process (--offline) or a running server over gRPC (--url)."""
     if offline == (url is not None):
@@ -217,6 +221,9 @@ def bench(
     if offline:
         if plan is None:
             _fail("--offline needs a plan directory", 2)
+        from runtime.compute import claim_process
+
+        threads = claim_process(threads)   # before torch is imported, as for kiln serve
         from runtime.bench import run_offline
         from runtime.plan import PlanError
 
@@ -224,7 +231,7 @@ def bench(
             run_offline(plan, requests=requests, output_len=output_len,
                         concurrencies=tuple(concurrency), seed=seed,
                         json_path=str(json_path) if json_path else None,
-                        naive_requests=max(1, naive_requests))
+                        naive_requests=max(1, naive_requests), threads=threads)
         except (PlanError, ValueError) as e:
             _fail(str(e))
         return

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+import torch
+
 from runtime.engine import Engine, RequestResult
 from runtime.plan import Plan, load_plan
 from runtime.sampling import SamplingParams
@@ -62,14 +64,15 @@ def _run(engine: Engine, prompts, params, concurrency) -> dict:
             "cached_prompt_tokens": sum(r.usage.cached_tokens for r in results)}
 
 
-def _naive_hf(plan: Plan, prompts: list[list[int]], output_len: int) -> dict:
-    """One transformers generate() per request, in order: the baseline server."""
+def _naive_hf(plan: Plan, prompts: list[list[int]], output_len: int,
+              threads: Optional[int] = None) -> dict:
+    """One transformers generate() per request, in order: the baseline server (on `threads`
+    compute threads, default torch's)."""
     src = plan.manifest.model.source_path
     if not src:
         return {"skipped": f"the plan records no HF/GGUF source path (model source "
                            f"{plan.manifest.model.source!r})"}
     try:
-        import torch
         from transformers import AutoModelForCausalLM
     except ImportError as e:
         return {"skipped": f"transformers is not installed ({e})"}
@@ -82,6 +85,8 @@ def _naive_hf(plan: Plan, prompts: list[list[int]], output_len: int) -> dict:
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
+    if threads:
+        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     n_out = 0
     ttft = []
@@ -122,21 +127,28 @@ def run_offline(plan_path, requests: int = 64, prompt_len: tuple[int, int] = (64
                 output_len: int = 128, concurrencies: Sequence[int] = (1, 8, 32), seed: int = 0,
                 json_path: Optional[str] = None, naive_requests: Optional[int] = 8,
                 prefix_requests: int = 16, shared_prefix_len: int = 1024,
-                print_fn=print) -> dict:
+                print_fn=print, threads: Optional[int] = None) -> dict:
     """Benchmark a plan in-process; prints a summary and returns (and optionally writes) it.
 
     naive_requests: how many of the workload's requests the HF baseline runs (it is serial
     and slow; its tokens/s does not depend on the count). None = all of them.
+    threads: the engine's compute threads and the baseline's (default: torch's). `kiln bench
+    --offline` lays the process out as `kiln serve` does (runtime/compute.py): only the
+    engine thread computes multi-threaded while engines run; the baseline runs last, on the
+    main thread, after every engine has stopped.
     """
     plan = plan_path if isinstance(plan_path, Plan) else load_plan(plan_path)
     rng = random.Random(seed)
-    engine = Engine.from_plan(plan)
+    engine = Engine.from_plan(plan, num_threads=threads)
     tok, cfg = engine.tokenizer, engine.config
     vocab = min(tok.vocab_size, plan.shape.vocab_size)
     prompts = _workload(rng, requests, tuple(prompt_len), output_len, vocab, cfg.input_len,
                         cfg.max_seq_len)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # compute threads: the engine thread's, and every other thread's (the layout kiln serve uses)
+    layout = {"engine": threads or torch.get_num_threads(), "other": torch.get_num_threads()}
     report = {"plan": str(plan.path), "fingerprint": plan.fingerprint, "seed": seed,
+              "compute_threads": layout,
               "kv": engine.kv_report, "workload": {"requests": requests,
                                                    "prompt_len": list(prompt_len),
                                                    "output_len": output_len},
@@ -151,7 +163,19 @@ def run_offline(plan_path, requests: int = 64, prompt_len: tuple[int, int] = (64
                      f"peak KV blocks {r['peak_kv_blocks']}/{engine.kv_report['blocks']}")
     finally:
         engine.shutdown()
-    naive = _naive_hf(plan, prompts[:naive_requests] if naive_requests else prompts, output_len)
+
+    def factory(**kw):
+        return Engine.from_plan(plan, num_threads=threads, **kw)
+    pre_out = min(16, output_len)
+    pre = _prefix_workload(factory, random.Random(seed + 1), vocab,
+                           min(cfg.input_len, cfg.max_seq_len - pre_out), prefix_requests,
+                           pre_out, shared_prefix_len)
+    report["prefix_caching"] = pre
+    print_fn(f"prefix  {pre['requests']} requests sharing {pre['shared_prefix_tokens']} tokens: "
+             f"TTFT p50 {pre['ttft_p50_s_caching_on']:.3f}s with prefix caching, "
+             f"{pre['ttft_p50_s_caching_off']:.3f}s without")
+    naive = _naive_hf(plan, prompts[:naive_requests] if naive_requests else prompts, output_len,
+                      threads)
     report["naive_hf"] = naive
     if "skipped" in naive:
         print_fn(f"naive   skipped: {naive['skipped']}")
@@ -161,17 +185,6 @@ def run_offline(plan_path, requests: int = 64, prompt_len: tuple[int, int] = (64
         print_fn(f"naive   HF generate, one request at a time: "
                  f"{naive['output_tokens_per_s']:.1f} tok/s -> engine is "
                  f"{report['speedup_vs_naive']:.1f}x")
-
-    def factory(**kw):
-        return Engine.from_plan(plan, **kw)
-    pre_out = min(16, output_len)
-    pre = _prefix_workload(factory, random.Random(seed + 1), vocab,
-                           min(cfg.input_len, cfg.max_seq_len - pre_out), prefix_requests,
-                           pre_out, shared_prefix_len)
-    report["prefix_caching"] = pre
-    print_fn(f"prefix  {pre['requests']} requests sharing {pre['shared_prefix_tokens']} tokens: "
-             f"TTFT p50 {pre['ttft_p50_s_caching_on']:.3f}s with prefix caching, "
-             f"{pre['ttft_p50_s_caching_off']:.3f}s without")
     if json_path:
         Path(json_path).write_text(json.dumps(report, indent=2))
     return report

@@ -156,13 +156,13 @@ def main() -> None:
                 times[(p, 1)].append(t)
                 floors[p].append(t / (rows[p]["size"] / rate))   # every weight byte read once
                 times[(p, 32)].append(r.time_step(32, reps=2))
+        rate = statistics.median(rates)
         for p in runners:
             rows[p][f"b1_ms_t{th}"] = statistics.median(times[(p, 1)]) * 1e3
             rows[p][f"b32_tok_s_t{th}"] = 32 / statistics.median(times[(p, 32)])
-            rows[p][f"read_gb_s_t{th}"] = statistics.median(rates) / 1e9
+            rows[p][f"read_gb_s_t{th}"] = rate / 1e9
             rows[p][f"b1_x_floor_t{th}"] = statistics.median(floors[p])
             rows[p][f"b1_x_floor_rounds_t{th}"] = floors[p]
-        rate = statistics.median(rates)
         print(f"{th} thread(s): read rate {rate / 1e9:.1f} GB/s (median beside the batch-1 "
               f"steps; {min(rates) / 1e9:.1f}-{max(rates) / 1e9:.1f})")
     base = rows.get("fp32")

@@ -112,3 +112,21 @@ def test_greedy_ties_nan_and_mixed_batches_pick_as_torch_argmax_does():
     mixed = [greedy, greedy, SamplingParams(temperature=1.0, seed=1), greedy]
     out = run(logits[[0, 2, 2, 3]], mixed)
     assert out[0] == 3 and out[1] == V - 1 and out[3] == 0 and 0 <= out[2] < V
+
+
+def test_greedy_fast_path_keeps_the_min_tokens_mask_until_it_lapses():
+    """Plain greedy rows take the raw argmax (no logits copy); a row whose argmax is a stop id
+    still masked by min_tokens goes through the masked path, in the same batch."""
+    logits = torch.zeros(3, V)
+    logits[:, 5] = 3.0
+    logits[:, 6] = 2.0
+    logits[2, 5] = float("nan")                   # NaN at the masked stop id: masked too
+    p_min = SamplingParams(temperature=0, min_tokens=2, max_tokens=8)
+    hist = [[1, 2, 3], [1, 2, 3, 9, 9], [1, 2, 3, 9]]     # 0, 2 and 1 tokens generated
+    states = [SamplingState.create(p_min, (5,)) for _ in range(3)]
+    assert all(s.plain_greedy for s in states)
+    assert Sampler()(logits, states, hist, [3, 3, 3]) == [6, 5, 6]
+    assert Sampler()(logits[1:2], states[1:2], hist[1:2], [3]) == [5]
+    assert not SamplingState.create(SamplingParams(temperature=0, bad_token_ids=(4,))).plain_greedy
+    assert not SamplingState.create(SamplingParams(temperature=0,
+                                                   repetition_penalty=1.2)).plain_greedy

@@ -1,0 +1,34 @@
+"""ModelInput.build: the decode packing (one token per sequence) gives exactly the tensors of
+the general packing."""
+import pytest
+import torch
+
+from runtime.executor import ModelInput
+
+pytestmark = pytest.mark.unit
+FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
+          "query_start_loc", "logits_indices")
+
+
+@pytest.mark.parametrize("starts", [[0], [15], [16, 3, 40], [7, 0, 31, 63]])
+def test_decode_packing_matches_the_general_packing(starts):
+    B = len(starts)
+    toks = [[100 + i] for i in range(B)]
+    tables = [[9 + 4 * i + j for j in range(s // 16 + 1)] for i, s in enumerate(starts)]
+    fast = ModelInput.build(toks, starts, tables, 16)
+    general = ModelInput.build(toks, starts, tables, 16, logits_indices=list(range(B)))
+    for f in FIELDS:
+        a, b = getattr(fast, f), getattr(general, f)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f
+    assert fast.slot_mapping.tolist() == [t[s // 16] * 16 + s % 16
+                                          for t, s in zip(tables, starts)]
+
+
+def test_mixed_prefill_and_decode_packing():
+    m = ModelInput.build([[1, 2, 3], [4]], [0, 5], [[7], [8, 9]], 4)
+    assert m.input_ids.tolist() == [1, 2, 3, 4]
+    assert m.positions.tolist() == [0, 1, 2, 5]
+    assert m.slot_mapping.tolist() == [28, 29, 30, 37]
+    assert m.query_start_loc.tolist() == [0, 3, 4]
+    assert m.context_lens.tolist() == [3, 6]
+    assert m.logits_indices.tolist() == [2, 3]

@@ -503,7 +503,7 @@ def test_second_sigterm_forces_exit_4(tiny_plan, tmp_path):
         except grpc.RpcError as e:
             results.append(e.code())
 
-    n = 8     # one at a time: seconds of work, most of it queued
+    n = 24    # one at a time: ~6k steps (over a second at 0.15 ms a step), most of it queued
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     try:
         for t in threads:
@@ -513,7 +513,9 @@ def test_second_sigterm_forces_exit_4(tiny_plan, tmp_path):
             assert time.monotonic() < deadline
             time.sleep(0.02)
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        while "draining:" not in server.log():
+            assert time.monotonic() < deadline and server.proc.poll() is None
+            time.sleep(0.01)
         assert server.proc.poll() is None        # draining: up to 600 s
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 4, server.log()

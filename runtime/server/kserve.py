@@ -325,60 +325,51 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                         last.usage.completion_tokens)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Requests are read by one task and run by one task each; this generator is the only
-        writer. The stream ends when the client is done sending and every request has ended;
-        if the call ends first (cancelled, deadline), the finally cancels all of them.
+        """Requests are read here and run by one task each; every task writes its own
+        responses (one write at a time on the call: `write`). The stream ends when the client
+        is done sending and every request has ended; if the call ends first (cancelled,
+        deadline), the finally cancels all of them.
 
-        Backpressure: at most limits.max_stream_requests requests run at once (the reader
-        stops reading until one ends) and the response queue is bounded (a request's task
-        waits while the client is not reading), so a client that writes and never reads
-        is throttled by HTTP/2 flow control instead of growing the server's memory."""
+        Backpressure: at most limits.max_stream_requests requests run at once (reading stops
+        until one ends) and a task waits for its write to be taken (HTTP/2 flow control), so
+        a client that writes and never reads is throttled instead of growing the server's
+        memory. Writing from the request's task, rather than through a queue to one writer,
+        saves each token a queue hand-off and a task switch on the event loop."""
         cap = self.fe.limits.max_stream_requests
-        out_q: asyncio.Queue = asyncio.Queue(maxsize=2 * cap)
         slots = asyncio.Semaphore(cap)
-        done = object()
         tasks: set[asyncio.Task] = set()
-        pending = 1                       # the reader, plus one per request started
+        lock = asyncio.Lock()
 
-        async def read():
-            nonlocal pending
-            try:
-                async for request in request_iterator:
-                    t0 = time.monotonic()
-                    try:
-                        job = self._parse(request)
-                    except ServiceError as e:
-                        self.stats.fail(t0)
-                        await out_q.put(_error(request.id, e.message))
-                        continue
-                    await slots.acquire()      # released when the request's task ends
-                    pending += 1
-                    task = asyncio.create_task(self._stream_one(job, out_q, done, t0))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
-                    task.add_done_callback(lambda _: slots.release())
-            finally:
-                _put_done(out_q, done)
+        async def write(message) -> None:
+            async with lock:
+                await context.write(message)
 
-        reader = asyncio.create_task(read())
         try:
-            while pending:
-                item = await out_q.get()
-                if item is done:
-                    pending -= 1
-                else:
-                    yield item
+            async for request in request_iterator:
+                t0 = time.monotonic()
+                try:
+                    job = self._parse(request)
+                except ServiceError as e:
+                    self.stats.fail(t0)
+                    await write(_error(request.id, e.message))
+                    continue
+                await slots.acquire()          # released when the request's task ends
+                task = asyncio.create_task(self._stream_one(job, write, t0))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                task.add_done_callback(lambda t: (slots.release(), t.cancelled() or t.exception()))
+            while tasks:                       # the client is done sending: finish the rest
+                await asyncio.wait(set(tasks))
         finally:
-            reader.cancel()
             for t in list(tasks):
                 t.cancel()
 
-    async def _stream_one(self, job: KServeRequest, out_q: asyncio.Queue, done, t0: float) -> None:
+    async def _stream_one(self, job: KServeRequest, write, t0: float) -> None:
         try:
             if not job.stream:
                 res = await self._complete(job, t0)
                 res.parameters["triton_final_response"].bool_param = True
-                await out_q.put(pb.ModelStreamInferResponse(infer_response=res))
+                await write(pb.ModelStreamInferResponse(infer_response=res))
                 return
             async with self.fe.request(job.prompt, job.params) as (stream, outputs):
                 n_in, carried = len(stream.prompt_token_ids), 0
@@ -390,23 +381,12 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                         continue          # a partial UTF-8 character: its tokens go next
                     if out.finished:
                         self.stats.success(t0, out)
-                    await out_q.put(pb.ModelStreamInferResponse(infer_response=response(
+                    await write(pb.ModelStreamInferResponse(infer_response=response(
                         job, self.fe.model_name, out.text, n_in, carried, out.finished)))
                     carried = 0
         except ServiceError as e:
             self.stats.fail(t0)
-            await out_q.put(_error(job.id, e.message))
-        finally:
-            _put_done(out_q, done)
-
-
-def _put_done(out_q: asyncio.Queue, done) -> None:
-    """Mark a reader or request task ended, without waiting (it may be being cancelled): a
-    full queue gets the mark when the writer has room (or never, when the call is gone)."""
-    if out_q.full():
-        asyncio.ensure_future(out_q.put(done))
-    else:
-        out_q.put_nowait(done)
+            await write(_error(job.id, e.message))
 
 
 def _ended(out: RequestOutput) -> str:

@@ -103,8 +103,16 @@ def encode_bytes(elements: Sequence[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
+# datatype -> struct format of one little-endian element
+_STRUCT = {"BOOL": "?", "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8": "B",
+           "UINT16": "H", "UINT32": "I", "UINT64": "Q", "FP16": "e", "FP32": "f", "FP64": "d"}
+
+
 def encode(datatype: str, values: Sequence) -> bytes:
-    """Raw form of a tensor's flattened elements."""
+    """Raw form of a tensor's flattened elements (a streamed token's outputs are one element
+    each: struct packs those without numpy's array round trip)."""
     if datatype == "BYTES":
         return encode_bytes(values)
+    if len(values) <= 16:
+        return struct.pack(f"<{len(values)}{_STRUCT[datatype]}", *values)
     return np.asarray(values, dtype=np.dtype(DATATYPES[datatype][0])).tobytes()

@@ -121,11 +121,14 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
     plan's code is generated for its ISA level, a GPU plan's (level None) for the device."""
     if backend == "aoti":
         from builder.target import inductor_isa, kernel_regions
+        from plugins import shims
 
         with contextlib.ExitStack() as cpu_codegen:
-            if level is not None:      # a CPU plan: its ISA, regions for any thread count
-                cpu_codegen.enter_context(inductor_isa(level))
+            if level is not None:      # a CPU plan: its ISA, regions for any thread count,
+                cpu_codegen.enter_context(inductor_isa(level))     # kiln ops by their C shims
                 cpu_codegen.enter_context(kernel_regions())
+                cpu_codegen.enter_context(torch._inductor.config.patch(
+                    {"aot_inductor.custom_ops_to_c_shims": shims.declarations()}))
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     elif backend == "eager":
         torch.export.save(ep, str(path))

@@ -13,6 +13,7 @@ builder and `kiln inspect` can say which path a plan runs without loading it.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import re
@@ -38,7 +39,9 @@ def build_library(name: str, sources: list[Path], level: cpu_isa.IsaLevel | None
     h = hashlib.sha256()
     for src in sources:
         h.update(Path(src).read_bytes())
-    for header in sorted({f for src in sources for f in Path(src).parent.glob("*.h")}):
+    headers = {f for src in sources for f in Path(src).parent.glob("*.h")}
+    headers |= set((Path(__file__).parent / "csrc").glob("*.h"))     # shared: aoti_shim.h
+    for header in sorted(headers):
         h.update(header.name.encode() + b"\0" + header.read_bytes())   # what the sources include
     h.update(" ".join(cflags).encode())
     h.update(torch.__version__.encode())
@@ -57,6 +60,7 @@ def build_library(name: str, sources: list[Path], level: cpu_isa.IsaLevel | None
     # load() also dlopens the library into this process, which is what a caller wants.
     if not (tmp / f"{name}.so").exists():
         raise RuntimeError(f"building {name} produced no {name}.so in {tmp}")
+    _global(tmp / f"{name}.so")
     _loaded.add(_digest(tmp / f"{name}.so"))
     try:
         os.replace(tmp, build_dir)
@@ -85,9 +89,17 @@ def _digest(path: Path) -> str:
 
 
 def load_library(path: Path) -> None:
-    """dlopen a kernel library once per process (its TORCH_LIBRARY_IMPL registrations)."""
+    """dlopen a kernel library once per process (its TORCH_LIBRARY_IMPL registrations), its
+    symbols global: a CPU plan's compiled graph calls the libraries' C shims
+    (plugins/shims.py) by name."""
     digest = _digest(path)
     if digest in _loaded:
         return
+    _global(path)
     torch.ops.load_library(os.path.realpath(path))
     _loaded.add(digest)
+
+
+def _global(path: Path) -> None:
+    """dlopen with RTLD_GLOBAL (a library already loaded locally is promoted)."""
+    ctypes.CDLL(os.path.realpath(path), mode=os.RTLD_GLOBAL | os.RTLD_NOW)

@@ -697,3 +697,24 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("paged_attention", paged_attention_cpu); }
+
+
+// ---- AOTInductor C shim (plugins/csrc/aoti_shim.h) -------------------------------------------
+#include "../../csrc/aoti_shim.h"
+
+KILN_AOTI_SHIM aoti_torch_cpu_paged_attention(
+    AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle k_cache,
+    AtenTensorHandle v_cache, AtenTensorHandle slot_mapping, AtenTensorHandle block_tables,
+    AtenTensorHandle context_lens, AtenTensorHandle query_start_loc, double scale,
+    AtenTensorHandle* ret0) {
+  using kiln_shim::tensor;
+  using T = kiln_shim::T;
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    static const auto op =
+        kiln_shim::op<at::Tensor(T, T, T, at::Tensor&, at::Tensor&, T, T, T, T, double)>(
+            "kiln::paged_attention");
+    *ret0 = kiln_shim::result(op.call(tensor(q), tensor(k), tensor(v), tensor(k_cache),
+                                      tensor(v_cache), tensor(slot_mapping), tensor(block_tables),
+                                      tensor(context_lens), tensor(query_start_loc), scale));
+  });
+}

@@ -87,22 +87,7 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
 }
 
 
-// ---- AOTInductor C shims (plugins/csrc/aoti_shim.h) ------------------------------------------
+// ---- AOTInductor C shim (plugins/csrc/aoti_shim.h) -------------------------------------------
 #include "../../csrc/aoti_shim.h"
 
-namespace {
-using kiln_shim::Opt;
-using kiln_shim::T;
-using kiln_shim::optional;
-using kiln_shim::result;
-using kiln_shim::tensor;
-}  // namespace
-
-KILN_AOTI_SHIM aoti_torch_cpu_linear_int8_a8(AtenTensorHandle x, AtenTensorHandle qweight,
-                                             AtenTensorHandle scales, AtenTensorHandle* bias,
-                                             AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op = kiln_shim::op<at::Tensor(T, T, T, Opt)>("kiln::linear_int8_a8");
-    *ret0 = result(op.call(tensor(x), tensor(qweight), tensor(scales), optional(bias)));
-  });
-}
+KILN_LINEAR_SHIM_2(linear_int8_a8)

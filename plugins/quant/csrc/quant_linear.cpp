@@ -572,56 +572,21 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
 // ---- AOTInductor C shims (plugins/csrc/aoti_shim.h) ------------------------------------------
 #include "../../csrc/aoti_shim.h"
 
-namespace {
-using kiln_shim::Opt;
-using kiln_shim::T;
-using kiln_shim::optional;
-using kiln_shim::result;
-using kiln_shim::tensor;
-}  // namespace
-
-KILN_AOTI_SHIM aoti_torch_cpu_linear_int8(AtenTensorHandle x, AtenTensorHandle qweight,
-                                          AtenTensorHandle scales, AtenTensorHandle* bias,
-                                          AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op = kiln_shim::op<at::Tensor(T, T, T, Opt)>("kiln::linear_int8");
-    *ret0 = result(op.call(tensor(x), tensor(qweight), tensor(scales), optional(bias)));
-  });
-}
+KILN_LINEAR_SHIM_2(linear_int8)
+KILN_LINEAR_SHIM_2(linear_fp8)
+KILN_LINEAR_SHIM_1(linear_bf16)
+KILN_LINEAR_SHIM_1(linear_fp32)
 
 KILN_AOTI_SHIM aoti_torch_cpu_linear_int4(AtenTensorHandle x, AtenTensorHandle qweight,
                                           AtenTensorHandle scales, AtenTensorHandle zeros,
                                           int64_t group_size, AtenTensorHandle* bias,
                                           AtenTensorHandle* ret0) {
+  using kiln_shim::T;
+  using kiln_shim::tensor;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     static const auto op =
-        kiln_shim::op<at::Tensor(T, T, T, T, int64_t, Opt)>("kiln::linear_int4");
-    *ret0 = result(op.call(tensor(x), tensor(qweight), tensor(scales), tensor(zeros), group_size,
-                           optional(bias)));
-  });
-}
-
-KILN_AOTI_SHIM aoti_torch_cpu_linear_fp8(AtenTensorHandle x, AtenTensorHandle qweight,
-                                         AtenTensorHandle scales, AtenTensorHandle* bias,
-                                         AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op = kiln_shim::op<at::Tensor(T, T, T, Opt)>("kiln::linear_fp8");
-    *ret0 = result(op.call(tensor(x), tensor(qweight), tensor(scales), optional(bias)));
-  });
-}
-
-KILN_AOTI_SHIM aoti_torch_cpu_linear_bf16(AtenTensorHandle x, AtenTensorHandle weight,
-                                          AtenTensorHandle* bias, AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op = kiln_shim::op<at::Tensor(T, T, Opt)>("kiln::linear_bf16");
-    *ret0 = result(op.call(tensor(x), tensor(weight), optional(bias)));
-  });
-}
-
-KILN_AOTI_SHIM aoti_torch_cpu_linear_fp32(AtenTensorHandle x, AtenTensorHandle weight,
-                                          AtenTensorHandle* bias, AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op = kiln_shim::op<at::Tensor(T, T, Opt)>("kiln::linear_fp32");
-    *ret0 = result(op.call(tensor(x), tensor(weight), optional(bias)));
+        kiln_shim::op<at::Tensor(T, T, T, T, int64_t, kiln_shim::Opt)>("kiln::linear_int4");
+    *ret0 = kiln_shim::result(op.call(tensor(x), tensor(qweight), tensor(scales), tensor(zeros),
+                                      group_size, kiln_shim::optional(bias)));
   });
 }

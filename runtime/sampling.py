@@ -110,6 +110,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        """A repetition, presence or frequency penalty changes the logits."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         """From a dict of field values; an unknown key is a ValueError naming it."""
@@ -145,10 +151,12 @@ class SamplingState:
         the raw argmax unless that is a masked stop id (Sampler's fast path: after a decode
         step's weights have streamed through the caches, the general path's logits copy and
         indexed writes cost ~0.2 ms of cold-cache Python a step, the argmax alone ~20 us)."""
-        p = self.params
-        return (p.temperature == 0 and not self.bad_words_ids and self.guide is None
-                and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0)
+        return (self.params.greedy and not self.params.penalized and not self.bad_words_ids
+                and self.guide is None)
+
+    def masks_stops(self, generated: int) -> bool:
+        """The min_tokens mask still holds the stop ids back after `generated` tokens."""
+        return bool(self.min_tokens_mask) and generated < self.params.min_tokens
 
     @classmethod
     def create(cls, params: SamplingParams, stop_ids: Sequence[int] = (),
@@ -179,8 +187,7 @@ class Sampler:
         guided: (rows, bitmask [len(rows), ceil(vocab/32)]) of the constrained rows."""
         if guided is None and all(s.plain_greedy for s in states):
             toks = _argmax(logits.float())
-            if not any(s.min_tokens_mask and t in s.min_tokens_mask
-                       and len(h) - n < s.params.min_tokens
+            if not any(t in s.min_tokens_mask and s.masks_stops(len(h) - n)
                        for s, t, h, n in zip(states, toks, token_ids, num_prompt_tokens)):
                 return toks
         B, V = logits.shape
@@ -239,8 +246,7 @@ class Sampler:
 
     @staticmethod
     def _penalize(logits, P, token_ids, num_prompt_tokens) -> None:
-        rows = [i for i, p in enumerate(P) if p.repetition_penalty != 1.0
-                or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+        rows = [i for i, p in enumerate(P) if p.penalized]
         if not rows:
             return
         V = logits.shape[1]
@@ -261,7 +267,7 @@ class Sampler:
     @staticmethod
     def _mask(logits, states, token_ids, num_prompt_tokens) -> None:
         for i, s in enumerate(states):
-            if s.min_tokens_mask and len(token_ids[i]) - num_prompt_tokens[i] < s.params.min_tokens:
+            if s.masks_stops(len(token_ids[i]) - num_prompt_tokens[i]):
                 logits[i, list(s.min_tokens_mask)] = float("-inf")
             if s.bad_words_ids:
                 out = token_ids[i][num_prompt_tokens[i]:]

@@ -357,7 +357,8 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                 task = asyncio.create_task(self._stream_one(job, write, t0))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-                task.add_done_callback(lambda t: (slots.release(), t.cancelled() or t.exception()))
+                task.add_done_callback(lambda _: slots.release())
+                task.add_done_callback(_retrieve)
             while tasks:                       # the client is done sending: finish the rest
                 await asyncio.wait(set(tasks))
         finally:
@@ -387,6 +388,13 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         except ServiceError as e:
             self.stats.fail(t0)
             await write(_error(job.id, e.message))
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Take a finished request task's exception (a write to a call that has gone away), so
+    asyncio does not log it as never retrieved: the call's own end is what reports it."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _ended(out: RequestOutput) -> str:

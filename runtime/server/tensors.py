@@ -21,15 +21,17 @@ import numpy as np
 
 from runtime.server.errors import invalid
 
-# datatype -> (numpy dtype for raw data, InferTensorContents field)
+# datatype -> (numpy dtype for raw data, InferTensorContents field, struct format of one
+# little-endian element)
 DATATYPES = {
-    "BOOL": ("|b1", "bool_contents"),
-    "INT8": ("<i1", "int_contents"), "INT16": ("<i2", "int_contents"),
-    "INT32": ("<i4", "int_contents"), "INT64": ("<i8", "int64_contents"),
-    "UINT8": ("<u1", "uint_contents"), "UINT16": ("<u2", "uint_contents"),
-    "UINT32": ("<u4", "uint_contents"), "UINT64": ("<u8", "uint64_contents"),
-    "FP16": ("<f2", None), "FP32": ("<f4", "fp32_contents"), "FP64": ("<f8", "fp64_contents"),
-    "BYTES": (None, "bytes_contents"),
+    "BOOL": ("|b1", "bool_contents", "?"),
+    "INT8": ("<i1", "int_contents", "b"), "INT16": ("<i2", "int_contents", "h"),
+    "INT32": ("<i4", "int_contents", "i"), "INT64": ("<i8", "int64_contents", "q"),
+    "UINT8": ("<u1", "uint_contents", "B"), "UINT16": ("<u2", "uint_contents", "H"),
+    "UINT32": ("<u4", "uint_contents", "I"), "UINT64": ("<u8", "uint64_contents", "Q"),
+    "FP16": ("<f2", None, "e"), "FP32": ("<f4", "fp32_contents", "f"),
+    "FP64": ("<f8", "fp64_contents", "d"),
+    "BYTES": (None, "bytes_contents", None),
 }
 
 
@@ -103,16 +105,11 @@ def encode_bytes(elements: Sequence[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
-# datatype -> struct format of one little-endian element
-_STRUCT = {"BOOL": "?", "INT8": "b", "INT16": "h", "INT32": "i", "INT64": "q", "UINT8": "B",
-           "UINT16": "H", "UINT32": "I", "UINT64": "Q", "FP16": "e", "FP32": "f", "FP64": "d"}
-
-
 def encode(datatype: str, values: Sequence) -> bytes:
     """Raw form of a tensor's flattened elements (a streamed token's outputs are one element
     each: struct packs those without numpy's array round trip)."""
     if datatype == "BYTES":
         return encode_bytes(values)
     if len(values) <= 16:
-        return struct.pack(f"<{len(values)}{_STRUCT[datatype]}", *values)
+        return struct.pack(f"<{len(values)}{DATATYPES[datatype][2]}", *values)
     return np.asarray(values, dtype=np.dtype(DATATYPES[datatype][0])).tobytes()

@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2 as kpb
 
 from runtime.server.errors import ServiceError
 from runtime.server.kserve import parse, response
-from runtime.server.tensors import decode_inputs, encode_bytes
+from runtime.server.tensors import DATATYPES, decode_inputs, encode, encode_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -96,3 +96,14 @@ def test_response_outputs_are_raw_and_flagged():
     assert np.frombuffer(res.raw_output_contents[1], "<i4").tolist() == [3]
     assert res.parameters["triton_final_response"].HasField("bool_param")
     assert res.parameters["triton_final_response"].bool_param is False
+
+
+@pytest.mark.parametrize("datatype", [d for d in DATATYPES if d != "BYTES"])
+def test_encode_short_and_long_tensors_as_numpy_does(datatype):
+    """Short tensors (a streamed token's outputs) are packed with struct, long ones through
+    numpy: the same little-endian bytes either way."""
+    for n in (1, 3, 16, 17, 40):
+        values = ([i % 2 == 0 for i in range(n)] if datatype == "BOOL"
+                  else [i % 100 for i in range(n)])
+        expected = np.asarray(values, dtype=np.dtype(DATATYPES[datatype][0])).tobytes()
+        assert encode(datatype, values) == expected, (datatype, n)

@@ -294,7 +294,8 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
     try:
         info = quantize_model(model, p.weights, group_size=p.group_size,
                               keep_high_precision=keep, calibration=calibration,
-                              activations="int8" if p.activations == "int8" else "float")
+                              activations="int8" if p.activations == "int8" else "float",
+                              device=spec.target.device)
     except ValueError as e:   # FieldError: the quantize_model argument = the precision field
         path = f"precision.{e.field}" if isinstance(e, FieldError) else "precision.weights"
         raise SpecError(spec.name, [(path, str(e))]) from None

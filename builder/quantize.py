@@ -142,8 +142,8 @@ def smooth_search(w: torch.Tensor, x: torch.Tensor) -> tuple[Optional[torch.Tens
 
 def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = None,
                    keep_high_precision: tuple[str, ...] = (EMBED, LM_HEAD),
-                   calibration: Optional[Calibration] = None, activations: str = "float"
-                   ) -> dict:
+                   calibration: Optional[Calibration] = None, activations: str = "float",
+                   device: str = "cpu") -> dict:
     """Swaps the model's nn.Linear modules for QuantLinear in place; returns a report dict.
 
     weights: int8 | int4 | fp8 | bf16 (weight-only: bf16 storage, float32 compute) | fp32
@@ -155,7 +155,10 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     linear name -> its inputs [rows, K]; enables the AWQ-style scale search. activations
     "int8": with int8 weights every quantized linear, the lm_head included, runs W8A8; with
     int4 weights the linears run W4A8 (formats "int4_a8", group 32) and a tied lm_head W8A8
-    on the embedding's int8 table. A bad argument raises FieldError naming it (`group_size`).
+    on the embedding's int8 table. device: the plan's target; on "cpu", int4 weight-only at
+    group 32 stores the same interleaved format and runs kiln::linear_int4_rows16 (where
+    every quantized linear fits it: N % 16 == 0, |w| within float16). A bad argument raises
+    FieldError naming it (`group_size`).
     """
     if weights not in formats.SCHEMES:
         raise FieldError("weights", f"{weights!r}: allowed: {formats.SCHEMES}",
@@ -179,11 +182,16 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     all_q = dict(linears, **({"output": head} if head is not None else {}))
     # W4A8: the int4 linears take the interleaved group-minimum format of the W4A8 kernel
     # (round-to-nearest: a Q4_1 GGUF's weights come back exactly); the head stays int8 W8A8.
+    # int4 weight-only on the CPU at group 32: the same format, float activations
+    # (kiln::linear_int4_rows16, 1.4-2.9x the [N, K/2] layout's decoder on SmolLM2's shapes).
     layer_scheme = "int4_a8" if weights == "int4" and activations == "int8" else weights
     gs = (formats.INT4_A8_GROUP if layer_scheme == "int4_a8" else
           _resolve_group_size(group_size, all_q) if weights == "int4" else None)
+    if (layer_scheme == "int4" and device == "cpu" and gs == formats.INT4_A8_GROUP
+            and all(formats.fits_int4_a8(lin.weight) for lin in all_q.values())):
+        layer_scheme = "int4_a8"
     # what calibration inputs are for: AWQ scales (int4 weight-only), SmoothQuant (W8A8)
-    calibrated = ("awq" if layer_scheme == "int4" else
+    calibrated = ("awq" if weights == "int4" and activations == "float" else
                   "smoothquant" if layer_scheme == "int8" and activations == "int8" else None)
 
     acts: dict[str, torch.Tensor] = {}
@@ -193,8 +201,9 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
                 else collect_inputs(model, linears, calibration))
         method = calibrated
     report = {"weights": weights, "scheme": layer_scheme, "group_size": gs, "method": method,
-              "activations": ("int8-per-group-32-dynamic" if layer_scheme == "int4_a8" else
-                              "int8-per-token-dynamic" if activations == "int8" else "float"),
+              "activations": ("float" if activations == "float" else
+                              "int8-per-group-32-dynamic" if layer_scheme == "int4_a8" else
+                              "int8-per-token-dynamic"),
               "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
               "embedding": ("float" if EMBED in keep else
                             weights if weights in ("bf16", "fp32") else "int8-per-row"),

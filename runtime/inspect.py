@@ -73,7 +73,7 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
 
 def _scheme(q: dict) -> str:
     """The quantizer's format, group and method, where they say more than the weights dtype
-    (int4_a8: the W4A8 kernel's format; an int4 group size; awq / smoothquant)."""
+    (int4_a8: the integer kernels' interleaved format; an int4 group size; awq / smoothquant)."""
     parts = [q["scheme"]] if q.get("scheme") not in (None, q.get("weights")) else []
     parts += [f"group {q['group_size']}"] if q.get("group_size") else []
     parts += [q["method"]] if q.get("method") not in (None, "rtn", "none") else []

@@ -213,8 +213,8 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
 
     qw = formats.quantize(w, scheme, gs)
     out = linear(x, qw, bias)
-    args = (qw.qweight, qw.scales, qw.zeros, qw.group_size) if qw.scheme == "int4" else \
-        (qw.qweight, qw.scales)
+    args = ((qw.qweight, qw.scales, qw.zeros, qw.group_size) if qw.scheme == "int4" else
+            (qw.qweight, qw.scales, qw.zeros) if qw.scheme == "int4_a8" else (qw.qweight, qw.scales))
     ref = ops.REFERENCES[scheme](x, *args, bias)
     assert out.shape == ref.shape and out.dtype == x.dtype
     scale = ref.float().abs().max().item() + 1e-6

@@ -30,9 +30,11 @@ fp8   E4M3 (float8_e4m3fn), per output channel scale
       error bound: |w - deq| <= max(|w| * 2**-4, scales[n] * 2**-10)
       (3 mantissa bits: half an ulp is 2**-4 relative; subnormal step is 2**-9 * scale)
 
-int4_a8  int4 for the W4A8 kernel (int8 activations): asymmetric, groups of 32 along K
-      with a float minimum (llama.cpp's Q4_1 arithmetic, so a Q4_1 GGUF's weights are
-      stored exactly), rows interleaved 16 at a time for integer dot products.
+int4_a8  int4 for the integer kernels: asymmetric, groups of 32 along K with a float
+      minimum (llama.cpp's Q4_1 arithmetic, so a Q4_1 GGUF's weights are stored exactly),
+      rows interleaved 16 at a time for integer dot products. Multiplied with int8
+      activations (W4A8, kiln::linear_int4_a8) or, as a CPU plan's int4 weight-only format
+      at group 32, with float activations (kiln::linear_int4_rows16).
       qweight uint8 [N/16, K/32, 256];  scales float16 [N/16, K/32, 16];  zeros float16
       [N/16, K/32, 16] (the groups' minimums, not zero points)
       w[n, k] = q[n, k] * scales[n/16, k/32, n%16] + zeros[n/16, k/32, n%16],  q in 0..15
@@ -157,6 +159,13 @@ def check_int4_a8_shape(n: int, k: int) -> None:
     if n % INT4_A8_ROWS or k % INT4_A8_GROUP:
         raise ValueError(f"int4 weights with int8 activations need N % {INT4_A8_ROWS} == 0 "
                          f"and K % {INT4_A8_GROUP} == 0, got [N, K] = [{n}, {k}]")
+
+
+def fits_int4_a8(w: torch.Tensor) -> bool:
+    """Whether an [N, K] weight can take this format (shape, and float16 scales and minimums)."""
+    n, k = w.shape
+    return (n % INT4_A8_ROWS == 0 and k % INT4_A8_GROUP == 0
+            and w.detach().abs().max().item() <= torch.finfo(torch.float16).max)
 
 
 def pack_int4_a8(q: torch.Tensor) -> torch.Tensor:

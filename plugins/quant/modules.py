@@ -23,7 +23,7 @@ class QuantLinear(nn.Module):
         super().__init__()
         int8_schemes = ("int8", "int4_a8")      # what W8A8 / W4A8 multiply int8 x with
         if activations not in ops.ACTIVATIONS or (
-                qw.scheme not in int8_schemes if activations == "int8" else qw.scheme == "int4_a8"):
+                activations == "int8" and qw.scheme not in int8_schemes):
             raise ValueError(f"activations={activations!r} with {qw.scheme} weights; allowed: "
                              "float, or int8 with int8 (W8A8) or int4_a8 (W4A8) weights")
         self.activations = activations

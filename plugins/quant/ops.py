@@ -8,13 +8,17 @@
     kiln::linear_int8_a8(x, qweight int8 [N,K], scales [N], bias?)             -> [M, N]
     kiln::linear_int4_a8(x, qweight uint8 [N/16,K/32,256], scales f16 [N/16,K/32,16],
                          mins f16 [N/16,K/32,16], bias?)                         -> [M, N]
+    kiln::linear_int4_rows16(x, qweight, scales, mins, bias?)   (int4_a8 weights) -> [M, N]
 
 linear_int8_a8 is W8A8: x is quantized per row at run time (symmetric int8, max|x|/127,
 round half to even) and multiplied in integers. linear_int4_a8 is W4A8: x is quantized per
 group of 32 along K (llama.cpp's Q8_1 arithmetic: each group its own max|x|/127), each
 group's integer dot product is scaled by its weight scale and activation scale, and the
-group minimums add min * (activation scale * sum of the group's codes). The others
-dequantize the weights.
+group minimums add min * (activation scale * sum of the group's codes).
+linear_int4_rows16 is weight-only on the same weights: x stays float (its CPU kernel holds
+each group of x as three int8 digits, at most 2.4e-7 of the group's max|x| off, and takes
+the group minimums against the float sum of x). It and the others are referenced by
+dequantize-then-matmul.
 
 x is [M, K] float32 or bfloat16; the output has x's dtype. Layouts: plugins/quant/formats.py.
 The references below are registered for CompositeExplicitAutograd (any device); the compiled
@@ -41,6 +45,8 @@ SCHEMAS = {
                        "-> Tensor"),
     "linear_int4_a8": ("linear_int4_a8(Tensor x, Tensor qweight, Tensor scales, Tensor mins, "
                        "Tensor? bias) -> Tensor"),
+    "linear_int4_rows16": ("linear_int4_rows16(Tensor x, Tensor qweight, Tensor scales, "
+                           "Tensor mins, Tensor? bias) -> Tensor"),
 }
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
@@ -71,6 +77,10 @@ def linear_bf16_reference(x, weight, bias=None):
 
 def linear_fp32_reference(x, weight, bias=None):
     return _linear(x, weight, bias)
+
+
+def linear_int4_rows16_reference(x, qweight, scales, mins, bias=None):
+    return _linear(x, formats.dequantize_int4_a8(qweight, scales, mins), bias)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +135,7 @@ _lib.impl("linear_int4", linear_int4_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_fp8", linear_fp8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int8_a8", linear_int8_a8_reference, "CompositeExplicitAutograd")
 _lib.impl("linear_int4_a8", linear_int4_a8_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_int4_rows16", linear_int4_rows16_reference, "CompositeExplicitAutograd")
 
 
 def _out_fake(x, n):
@@ -153,6 +164,7 @@ def _linear_int8_a8_fake(x, qweight, scales, bias):
 
 
 @torch.library.register_fake("kiln::linear_int4_a8")
+@torch.library.register_fake("kiln::linear_int4_rows16")
 def _linear_int4_a8_fake(x, qweight, scales, mins, bias):
     torch._check(qweight.shape[1] * formats.INT4_A8_GROUP == x.shape[1],
                  lambda: "int4_a8 qweight/x K mismatch")
@@ -175,6 +187,7 @@ REFERENCES = {
     "fp8": linear_fp8_reference,
     "bf16": lambda x, qweight, scales, bias=None: linear_bf16_reference(x, qweight, bias),
     "fp32": lambda x, qweight, scales, bias=None: linear_fp32_reference(x, qweight, bias),
+    "int4_a8": linear_int4_rows16_reference,     # with float activations (weight-only)
 }
 
 
@@ -188,15 +201,16 @@ def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
     the Triton kernels of int8/int4/fp8, which AOTInductor compiles into the plan; cuBLAS
     for bf16).
     activations "int8" (CPU): W8A8 with int8 weights (x quantized per row at run time),
-    W4A8 with int4_a8 weights (x quantized per group of 32)."""
+    W4A8 with int4_a8 weights (x quantized per group of 32); int4_a8 weights with float
+    activations run kiln::linear_int4_rows16 (weight-only)."""
     if activations == "int8":
         if qw.scheme == "int4_a8":
             return torch.ops.kiln.linear_int4_a8(x, qw.qweight, qw.scales, qw.zeros, bias)
         if qw.scheme != "int8":
             raise ValueError(f"int8 activations need int8 or int4_a8 weights, not {qw.scheme}")
         return torch.ops.kiln.linear_int8_a8(x, qw.qweight, qw.scales, bias)
-    if qw.scheme == "int4_a8":
-        raise ValueError("int4_a8 weights are multiplied with int8 activations only")
+    if qw.scheme == "int4_a8":   # weight-only on the interleaved format (CPU plans)
+        return torch.ops.kiln.linear_int4_rows16(x, qw.qweight, qw.scales, qw.zeros, bias)
     if x.device.type == "cuda":
         if qw.scheme == "fp32":
             return F.linear(x, qw.qweight, bias)

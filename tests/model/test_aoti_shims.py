@@ -46,6 +46,7 @@ class Linears(torch.nn.Module):
     def forward(self, x):
         a8 = self.a8
         y = torch.ops.kiln.linear_int4_a8(x, a8.qweight, a8.scales, a8.zeros, None)
+        y = y + torch.ops.kiln.linear_int4_rows16(x, a8.qweight, a8.scales, a8.zeros, None)
         return torch.ops.kiln.linear_int8(torch.relu(y), self.w8.qweight, self.w8.scales,
                                           self.b)
 
@@ -60,6 +61,7 @@ def test_compiled_graph_calls_the_shims_and_matches_eager(tmp_path):
         z.extractall(tmp_path / "x")
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
     assert "aoti_torch_cpu_linear_int4_a8(" in wrapper and "aoti_torch_cpu_linear_int8(" in wrapper
+    assert "aoti_torch_cpu_linear_int4_rows16(" in wrapper
     assert "proxy_executor->call_function" not in wrapper
     so = next((tmp_path / "x").rglob("*.so"))
     undefined = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True,

@@ -157,12 +157,15 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
             ref = ops.REFERENCES[scheme](x, *args, b)
             out = ops.quant_linear(x, q, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, m, n, k)
-    if k % 32 == 0 and n % 16 == 0:   # W4A8: tiles of 1-4 rows of x, every group
+    if k % 32 == 0 and n % 16 == 0:   # W4A8 and int4_rows16: tiles of 1-4 rows of x, every group
         q = formats.quantize(w, "int4_a8")
         for rows in (x, x[:1], torch.zeros_like(x)):
             out = ops.quant_linear(rows, q, b, activations="int8")
             ref = ops.linear_int4_a8_reference(rows, q.qweight, q.scales, q.zeros, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), ("w4a8", m, n, k)
+            out = ops.quant_linear(rows, q, b)
+            ref = ops.linear_int4_rows16_reference(rows, q.qweight, q.scales, q.zeros, b)
+            assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), ("rows16", m, n, k)
 print("ok")
 """
 

@@ -24,12 +24,12 @@ def _check(x, w, scheme, gs, bias=None):
 
 
 def test_kernels_are_registered_for_cpu():
-    for name in ("linear_int8", "linear_int4", "linear_fp8", "linear_bf16"):
+    for name in ("linear_int8", "linear_int4", "linear_fp8", "linear_bf16", "linear_int4_rows16"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{name}", "CPU")
 
 
 @pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 32), ("int4", 64),
-                                       ("bf16", None)])
+                                       ("bf16", None), ("int4_a8", None)])
 @pytest.mark.parametrize("n,k", SMOLLM2_SHAPES)
 @pytest.mark.parametrize("m", BATCHES)
 def test_kernel_matches_reference_smollm2_shapes(m, n, k, scheme, gs):
@@ -56,7 +56,7 @@ def test_int8_fp8_kernel_k_not_multiple_of_32(m, k, scheme):
 
 
 @pytest.mark.parametrize("scheme,gs", [("int8", None), ("fp8", None), ("int4", 64),
-                                       ("bf16", None)])
+                                       ("bf16", None), ("int4_a8", None)])
 @pytest.mark.parametrize("m", [1, 17])
 def test_kernel_bf16_activations(m, scheme, gs):
     g = torch.Generator().manual_seed(m)
@@ -211,3 +211,24 @@ def test_decode_digits_precision_with_an_outlier_channel(m, scheme, gs):
         wd.double().abs().sum(dim=1)[None, :]
     slack = 1e-6 * ref.abs().amax()                  # float32 accumulation
     assert ((out.double() - ref).abs() <= bound + slack).all()
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 7, 33])
+def test_int4_rows16_digits_precision_with_an_outlier_channel(m):
+    """kiln::linear_int4_rows16 holds each group of 32 of x as three int8 digits of fixed point
+    (at most max|x of the group| / (2 * 127 * 128^2) off each element): with one channel 1000x
+    the others, each output stays within that bound times |w|, summed over the row."""
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 1536, generator=g)
+    x[:, 17] = 1000.0
+    w = torch.randn(576, 1536, generator=g) * 0.05
+    qw = formats.quantize(w, "int4_a8")
+    out = ops.quant_linear(x, qw)
+    wd = formats.dequantize(qw).double()
+    ref = x.double() @ wd.T
+    group_max = x.abs().reshape(m, -1, 32).amax(dim=2).repeat_interleave(32, dim=1).double()
+    bound = (group_max / (2 * 127 * 128 ** 2)) @ wd.abs().T
+    slack = 1e-6 * ref.abs().amax()                  # float32 accumulation
+    assert ((out.double() - ref).abs() <= bound + slack).all()
+    # the other groups keep their own precision: far tighter than a per-row scale would give
+    assert (out.double() - ref).abs().max() < 1e-3

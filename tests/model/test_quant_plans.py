@@ -7,6 +7,7 @@ stop at the gate or before compiling, and the point is that nothing is written.
 from __future__ import annotations
 
 import json
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -276,6 +277,25 @@ def test_w4a8_plan_keeps_group_minimums_gates_and_generates(tmp_path):
     assert q["activations"] == "int8-per-group-32-dynamic" and "int8" in q["lm_head"]
     assert m["accuracy"]["passed"]
     assert "w4a8" in next(v for k, v in m["engine"]["kernel_paths"].items() if "quant" in k)
+    assert _greedy_tokens(plan, 8) == 8
+
+
+def test_int4_group_32_plan_runs_the_interleaved_format_with_float_activations(tmp_path):
+    """int4 weight-only at group 32 on the CPU: the linears store the interleaved format
+    (int4_a8) and the compiled graph calls kiln::linear_int4_rows16 (x stays float); AWQ
+    calibrates it like the [N, K/2] layout; the gate passes, the plan serves."""
+    plan, m = _built(tmp_path, "tiny-int4-g32", {"weights": "int4", "group_size": 32,
+                                                 "keep_high_precision": []},
+                     {"calibration_text": "pydoc"})
+    q = m["precision"]["quantization"]
+    assert q["scheme"] == "int4_a8" and q["group_size"] == 32 and q["activations"] == "float"
+    assert q["method"] == "awq" and q["awq_alpha"]
+    assert m["accuracy"]["passed"]
+    with zipfile.ZipFile(plan / "engine.pt2") as z:
+        wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
+    calls = {op: wrapper.count(f"aoti_torch_cpu_{op}(") - 1     # less each one's declaration
+             for op in ("linear_int4_rows16", "linear_int4_a8", "linear_int4")}
+    assert calls == {"linear_int4_rows16": 2 * 4, "linear_int4_a8": 0, "linear_int4": 0}
     assert _greedy_tokens(plan, 8) == 8
 
 

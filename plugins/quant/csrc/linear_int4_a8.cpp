@@ -1,11 +1,19 @@
-// CPU kernel of kiln::linear_int4_a8 (W4A8; schema and reference: plugins/quant/ops.py,
-// layout: plugins/quant/formats.py "int4_a8").
+// CPU kernels of kiln::linear_int4_a8 (W4A8) and kiln::linear_int4_rows16 (the same weights
+// times float activations; schemas and references: plugins/quant/ops.py, layout:
+// plugins/quant/formats.py "int4_a8").
 //
 //   y[m, n] = sum_g  d[n, g] * sx[m, g] * I[m, n, g]  +  mn[n, g] * cx[m, g]   (+ bias[n])
 //   I[m, n, g] = sum_{k in group g} xq[m, k] * q[n, k]     (exact int32: 32 * 127 * 15)
 //   xq = round_half_even(x / sx), sx[m, g] = max|x[m, group g]| / 127 (run time, per group
 //   of 32: llama.cpp's Q8_1), cx[m, g] = sx[m, g] * sum_{k in g} xq[m, k];
 //   q in 0..15, d (scale) and mn (group minimum) float16: llama.cpp's Q4_1.
+// linear_int4_rows16 is weight-only: x of each group is held as ND = 3 int8 digits of fixed
+// point, x ~ sx (c0 + c1 / 128 + c2 / 128^2) (c0 in -127..127, c1, c2 in -64..64: at most
+// 2.4e-7 of the group's max|x| off, below float32's own rounding of most of its values),
+// each digit multiplied like W4A8's one and combined in the int32 lanes,
+// I = ((I0 << 7) + I1) << 7 + I2 (|I0| <= 32 * 15 * 127, so under 2^30), and cx the group's
+// float sum of x. The same loops with three times the integer dot products: the float
+// decoder this replaces (quant_linear.cpp, [N, K/2] layout, fp32 scales) ran 2.5x slower.
 //
 // The weights are interleaved 16 rows at a time, so one register of int32 lanes holds the
 // 16 rows' sums and the per-group scales load as one vector (no horizontal reductions):
@@ -52,14 +60,18 @@ namespace {
 constexpr int64_t kRows = 16;     // weight rows per interleaved block
 constexpr int64_t kGroup = 32;    // weights (and activations) per scale
 constexpr int64_t kChunk = 256;   // packed bytes per (block, group)
-#if KILN_W4A8_VNNI
-constexpr int kMR = 4;            // rows of x per tile
-#else
-constexpr int kMR = 2;
-#endif
+// rows of x per tile, by digits per activation (accumulators: MR * ND * 2 registers; AVX2's
+// 2 rows of three digits spill a few of them, and still beat 1 row: 4 rows of x 0.76 -> 1.09x
+// the float decoder on SmolLM2's w13)
+template <int ND>
+constexpr int kMR = KILN_W4A8_VNNI ? (ND == 1 ? 4 : 2) : 2;
 
 // Per group of 32 along K: q = round_half_even(x / s), s = max|x| / 127 (1 for all zeros);
-// c = s * sum(q). Same arithmetic as quantize_activation_groups in ops.py.
+// c = s * sum(q). Same arithmetic as quantize_activation_groups in ops.py. With ND = 3 the
+// residuals of x / s take two more digits, q1 = round((x / s - q0) * 128), q2 likewise
+// (exact in float: each residual is at most half an integer), s carries the 2^-14 the
+// digits are combined with, and c is the group's float sum of x. q: ND rows of K digits.
+template <int ND>
 void quantize_groups(const float* x, int64_t K, int8_t* q, float* s, float* c) {
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const float* xg = x + g * kGroup;
@@ -67,18 +79,27 @@ void quantize_groups(const float* x, int64_t K, int8_t* q, float* s, float* c) {
     for (int64_t k = 0; k < kGroup; ++k) amax = std::max(amax, std::fabs(xg[k]));
     const float sc = amax > 0.f ? amax / 127.f : 1.f;
     int32_t sum = 0;
+    float fsum = 0.f;
     for (int64_t k = 0; k < kGroup; ++k) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xg[k] / sc)));
+      const float t = xg[k] / sc;
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(t)));
       q[g * kGroup + k] = static_cast<int8_t>(v);
       sum += static_cast<int32_t>(v);
+      if (ND == 3) {
+        const float e1 = (t - v) * 128.f;
+        const float v1 = std::nearbyint(e1);
+        q[K + g * kGroup + k] = static_cast<int8_t>(v1);
+        q[2 * K + g * kGroup + k] = static_cast<int8_t>(std::nearbyint((e1 - v1) * 128.f));
+        fsum += xg[k];
+      }
     }
-    s[g] = sc;
-    c[g] = sc * float(sum);
+    s[g] = ND == 3 ? sc * (1.f / 16384.f) : sc;
+    c[g] = ND == 3 ? fsum : sc * float(sum);
   }
 }
 
 struct Args {
-  const int8_t* xq;     // [M, K]
+  const int8_t* xq;     // [M, ND, K] digits
   const float* sx;      // [M, G]
   const float* cx;      // [M, G]
   const uint8_t* qw;    // [N/16, G, 256]
@@ -95,8 +116,16 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// The int32 lanes of one group: the digits' sums combined (I0 alone with one digit).
+template <int ND, class V, class Add, class Shl>
+inline V combine_digits(const V* acc, Add add, Shl shl) {
+  V v = acc[0];
+  for (int l = 1; l < ND; ++l) v = add(shl(v), acc[l]);
+  return v;
+}
+
 #if KILN_W4A8_VNNI
-template <int MR>
+template <int MR, int ND>
 void block_tile(const Args& a, int64_t rb, int64_t m0) {
   __m512 fd[MR], fm[MR];
   for (int r = 0; r < MR; ++r) fd[r] = fm[r] = _mm512_setzero_ps();
@@ -105,17 +134,19 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
   const uint16_t* db = a.d + rb * a.G * kRows;
   const uint16_t* mb = a.mn + rb * a.G * kRows;
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512i lo_acc[MR], hi_acc[MR];
-    for (int r = 0; r < MR; ++r) lo_acc[r] = hi_acc[r] = _mm512_setzero_si512();
+    __m512i lo_acc[MR][ND], hi_acc[MR][ND];
+    for (int r = 0; r < MR; ++r)
+      for (int l = 0; l < ND; ++l) lo_acc[r][l] = hi_acc[r][l] = _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(wb + g * kChunk + 64 * c);
       const __m512i lo = _mm512_and_si512(v, mask);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = a.xq + (m0 + r) * a.K + g * kGroup + 8 * c;
-        lo_acc[r] = _mm512_dpbusd_epi32(lo_acc[r], lo, _mm512_set1_epi32(load4(xr)));
-        hi_acc[r] = _mm512_dpbusd_epi32(hi_acc[r], hi, _mm512_set1_epi32(load4(xr + 4)));
-      }
+      for (int r = 0; r < MR; ++r)
+        for (int l = 0; l < ND; ++l) {
+          const int8_t* xr = a.xq + ((m0 + r) * ND + l) * a.K + g * kGroup + 8 * c;
+          lo_acc[r][l] = _mm512_dpbusd_epi32(lo_acc[r][l], lo, _mm512_set1_epi32(load4(xr)));
+          hi_acc[r][l] = _mm512_dpbusd_epi32(hi_acc[r][l], hi, _mm512_set1_epi32(load4(xr + 4)));
+        }
     }
     const __m512 d = _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g * kRows)));
@@ -123,7 +154,11 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mb + g * kRows)));
     for (int r = 0; r < MR; ++r) {
       const int64_t i = (m0 + r) * a.G + g;
-      const __m512 acc = _mm512_cvtepi32_ps(_mm512_add_epi32(lo_acc[r], hi_acc[r]));
+      __m512i sums[ND];
+      for (int l = 0; l < ND; ++l) sums[l] = _mm512_add_epi32(lo_acc[r][l], hi_acc[r][l]);
+      const __m512 acc = _mm512_cvtepi32_ps(combine_digits<ND>(
+          sums, [](__m512i x, __m512i y) { return _mm512_add_epi32(x, y); },
+          [](__m512i x) { return _mm512_slli_epi32(x, 7); }));
       fd[r] = _mm512_fmadd_ps(acc, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[i])), fd[r]);
       fm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.cx[i]), fm[r]);
     }
@@ -134,7 +169,7 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
                      _mm512_add_ps(_mm512_add_ps(fd[r], fm[r]), b));
 }
 #elif KILN_W4A8_AVX2
-template <int MR>
+template <int MR, int ND>
 void block_tile(const Args& a, int64_t rb, int64_t m0) {
   // Two halves of 8 rows (h): bytes 32h..32h+31 of each 64-byte chunk.
   __m256 f[MR][2];
@@ -145,23 +180,27 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
   const uint16_t* db = a.d + rb * a.G * kRows;
   const uint16_t* mb = a.mn + rb * a.G * kRows;
   for (int64_t g = 0; g < a.G; ++g) {
-    __m256i s16[MR][2];
-    for (int r = 0; r < MR; ++r) s16[r][0] = s16[r][1] = _mm256_setzero_si256();
+    __m256i s16[MR][ND][2];
+    for (int r = 0; r < MR; ++r)
+      for (int l = 0; l < ND; ++l) s16[r][l][0] = s16[r][l][1] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {
-      __m256i x0[MR], x1[MR];
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = a.xq + (m0 + r) * a.K + g * kGroup + 8 * c;
-        x0[r] = _mm256_set1_epi32(load4(xr));
-        x1[r] = _mm256_set1_epi32(load4(xr + 4));
-      }
+      __m256i x0[MR][ND], x1[MR][ND];
+      for (int r = 0; r < MR; ++r)
+        for (int l = 0; l < ND; ++l) {
+          const int8_t* xr = a.xq + ((m0 + r) * ND + l) * a.K + g * kGroup + 8 * c;
+          x0[r][l] = _mm256_set1_epi32(load4(xr));
+          x1[r][l] = _mm256_set1_epi32(load4(xr + 4));
+        }
       for (int h = 0; h < 2; ++h) {
         const __m256i v = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(wb + g * kChunk + 64 * c + 32 * h));
         const __m256i lo = _mm256_and_si256(v, mask);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
         for (int r = 0; r < MR; ++r)
-          s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[r]),
-                                                                   _mm256_maddubs_epi16(hi, x1[r])));
+          for (int l = 0; l < ND; ++l)
+            s16[r][l][h] = _mm256_add_epi16(
+                s16[r][l][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0[r][l]),
+                                               _mm256_maddubs_epi16(hi, x1[r][l])));
       }
     }
     for (int h = 0; h < 2; ++h) {
@@ -171,7 +210,11 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(mb + g * kRows + 8 * h)));
       for (int r = 0; r < MR; ++r) {
         const int64_t i = (m0 + r) * a.G + g;
-        const __m256 acc = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r][h], ones16));
+        __m256i sums[ND];
+        for (int l = 0; l < ND; ++l) sums[l] = _mm256_madd_epi16(s16[r][l][h], ones16);
+        const __m256 acc = _mm256_cvtepi32_ps(combine_digits<ND>(
+            sums, [](__m256i x, __m256i y) { return _mm256_add_epi32(x, y); },
+            [](__m256i x) { return _mm256_slli_epi32(x, 7); }));
         f[r][h] = _mm256_fmadd_ps(acc, _mm256_mul_ps(d, _mm256_set1_ps(a.sx[i])), f[r][h]);
         f[r][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.cx[i]), f[r][h]);
       }
@@ -185,7 +228,7 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
     }
 }
 #else
-template <int MR>
+template <int MR, int ND>
 void block_tile(const Args& a, int64_t rb, int64_t m0) {
   for (int r = 0; r < MR; ++r) {
     const int64_t m = m0 + r;
@@ -193,13 +236,19 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
       float fd = 0.f, fm = 0.f;
       for (int64_t g = 0; g < a.G; ++g) {
         const uint8_t* w = a.qw + (rb * a.G + g) * kChunk;
-        const int8_t* xg = a.xq + m * a.K + g * kGroup;
-        int32_t acc = 0;
-        for (int c = 0; c < 4; ++c)
-          for (int i = 0; i < 4; ++i) {
-            const uint8_t byte = w[64 * c + 4 * j + i];
-            acc += int32_t(byte & 0x0F) * xg[8 * c + i] + int32_t(byte >> 4) * xg[8 * c + 4 + i];
-          }
+        int32_t sums[ND];
+        for (int l = 0; l < ND; ++l) {
+          const int8_t* xg = a.xq + (m * ND + l) * a.K + g * kGroup;
+          int32_t acc = 0;
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = w[64 * c + 4 * j + i];
+              acc += int32_t(byte & 0x0F) * xg[8 * c + i] + int32_t(byte >> 4) * xg[8 * c + 4 + i];
+            }
+          sums[l] = acc;
+        }
+        const int32_t acc = combine_digits<ND>(
+            sums, [](int32_t x, int32_t y) { return x + y; }, [](int32_t x) { return x << 7; });
         const int64_t s = (rb * a.G + g) * kRows + j;
         const float d = c10::detail::fp16_ieee_to_fp32_value(a.d[s]);
         const float mn = c10::detail::fp16_ieee_to_fp32_value(a.mn[s]);
@@ -213,10 +262,10 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
 }
 #endif
 
-at::Tensor linear_int4_a8(const at::Tensor& x_in, const at::Tensor& qweight,
-                          const at::Tensor& scales, const at::Tensor& mins,
-                          const c10::optional<at::Tensor>& bias_in) {
-  const char* op = "kiln::linear_int4_a8";
+template <int ND>
+at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight,
+               const at::Tensor& scales, const at::Tensor& mins,
+               const c10::optional<at::Tensor>& bias_in) {
   TORCH_CHECK(x_in.dim() == 2, op, ": x must be [M, K], got ", x_in.sizes());
   TORCH_CHECK(qweight.dim() == 3 && qweight.scalar_type() == at::kByte && qweight.is_contiguous()
                   && qweight.size(2) == kChunk,
@@ -239,31 +288,31 @@ at::Tensor linear_int4_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
-    std::vector<int8_t> xq(M * K);
+    std::vector<int8_t> xq(M * ND * K);
     std::vector<float> sx(M * G), cx(M * G);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
                      [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
-        quantize_groups(xp + m * K, K, xq.data() + m * K, sx.data() + m * G, cx.data() + m * G);
+        quantize_groups<ND>(xp + m * K, K, xq.data() + m * ND * K, sx.data() + m * G,
+                            cx.data() + m * G);
     });
     const Args a{xq.data(), sx.data(), cx.data(), qweight.data_ptr<uint8_t>(),
                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()),
                  bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), K, G, N};
+    constexpr int MR = kMR<ND>;
     // ~64 KiB of packed weights per task at one row of x; fewer at many rows.
     const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(G, 1) /
-                                                   std::max<int64_t>(1, (M + kMR - 1) / kMR));
+                                                   std::max<int64_t>(1, (M + MR - 1) / MR));
     at::parallel_for(0, N / kRows, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t rb = b0; rb < b1; ++rb)
-        for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-          switch (std::min<int64_t>(kMR, M - m0)) {
-#if KILN_W4A8_VNNI
-            case 4: block_tile<4>(a, rb, m0); break;
-            case 3: block_tile<3>(a, rb, m0); break;
-#endif
-            case 2: block_tile<2>(a, rb, m0); break;
-            default: block_tile<1>(a, rb, m0); break;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+          switch (std::min<int64_t>(MR, M - m0)) {
+            case 4: block_tile<(MR >= 4 ? 4 : 1), ND>(a, rb, m0); break;
+            case 3: block_tile<(MR >= 3 ? 3 : 1), ND>(a, rb, m0); break;
+            case 2: block_tile<(MR >= 2 ? 2 : 1), ND>(a, rb, m0); break;
+            default: block_tile<1, ND>(a, rb, m0); break;
           }
         }
     });
@@ -271,25 +320,42 @@ at::Tensor linear_int4_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
 }
 
+at::Tensor linear_int4_a8(const at::Tensor& x, const at::Tensor& qweight,
+                          const at::Tensor& scales, const at::Tensor& mins,
+                          const c10::optional<at::Tensor>& bias) {
+  return run<1>("kiln::linear_int4_a8", x, qweight, scales, mins, bias);
+}
+
+at::Tensor linear_int4_rows16(const at::Tensor& x, const at::Tensor& qweight,
+                              const at::Tensor& scales, const at::Tensor& mins,
+                              const c10::optional<at::Tensor>& bias) {
+  return run<3>("kiln::linear_int4_rows16", x, qweight, scales, mins, bias);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_int4_a8", &linear_int4_a8);
+  m.impl("linear_int4_rows16", &linear_int4_rows16);
 }
 
 
 // ---- AOTInductor C shim (plugins/csrc/aoti_shim.h) -------------------------------------------
 #include "../../csrc/aoti_shim.h"
 
-KILN_AOTI_SHIM aoti_torch_cpu_linear_int4_a8(AtenTensorHandle x, AtenTensorHandle qweight,
-                                             AtenTensorHandle scales, AtenTensorHandle mins,
-                                             AtenTensorHandle* bias, AtenTensorHandle* ret0) {
-  using kiln_shim::T;
-  using kiln_shim::tensor;
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    static const auto op =
-        kiln_shim::op<at::Tensor(T, T, T, T, kiln_shim::Opt)>("kiln::linear_int4_a8");
-    *ret0 = kiln_shim::result(op.call(tensor(x), tensor(qweight), tensor(scales), tensor(mins),
-                                      kiln_shim::optional(bias)));
-  });
-}
+// (x, qweight, scales, mins, bias?): both ops of this file.
+#define KILN_INT4_ROWS16_SHIM(name)                                                            \
+  KILN_AOTI_SHIM aoti_torch_cpu_##name(AtenTensorHandle x, AtenTensorHandle qweight,           \
+                                       AtenTensorHandle scales, AtenTensorHandle mins,         \
+                                       AtenTensorHandle* bias, AtenTensorHandle* ret0) {       \
+    using kiln_shim::T;                                                                        \
+    using kiln_shim::tensor;                                                                   \
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({                                               \
+      static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, kiln_shim::Opt)>("kiln::" #name); \
+      *ret0 = kiln_shim::result(op.call(tensor(x), tensor(qweight), tensor(scales),            \
+                                        tensor(mins), kiln_shim::optional(bias)));             \
+    });                                                                                        \
+  }
+
+KILN_INT4_ROWS16_SHIM(linear_int4_a8)
+KILN_INT4_ROWS16_SHIM(linear_int4_rows16)

@@ -47,7 +47,20 @@ using T = const at::Tensor&;
 }  // namespace kiln_shim
 
 // The shim of a linear op `kiln::NAME(Tensor x, Tensor <each of ...>, Tensor? bias) -> Tensor`
-// (the weight's tensors: qweight and scales, or the float weight).
+// (the weight's tensors: qweight, scales and mins; qweight and scales; or the float weight).
+#define KILN_LINEAR_SHIM_3(NAME)                                                               \
+  KILN_AOTI_SHIM aoti_torch_cpu_##NAME(AtenTensorHandle x, AtenTensorHandle w0,                \
+                                       AtenTensorHandle w1, AtenTensorHandle w2,               \
+                                       AtenTensorHandle* bias, AtenTensorHandle* ret0) {       \
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({                                               \
+      static const auto op = kiln_shim::op<at::Tensor(kiln_shim::T, kiln_shim::T, kiln_shim::T, \
+                                                      kiln_shim::T, kiln_shim::Opt)>(          \
+          "kiln::" #NAME);                                                                     \
+      *ret0 = kiln_shim::result(op.call(kiln_shim::tensor(x), kiln_shim::tensor(w0),           \
+                                        kiln_shim::tensor(w1), kiln_shim::tensor(w2),          \
+                                        kiln_shim::optional(bias)));                           \
+    });                                                                                        \
+  }
 #define KILN_LINEAR_SHIM_2(NAME)                                                               \
   KILN_AOTI_SHIM aoti_torch_cpu_##NAME(AtenTensorHandle x, AtenTensorHandle w0,                \
                                        AtenTensorHandle w1, AtenTensorHandle* bias,            \

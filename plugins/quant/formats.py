@@ -154,17 +154,20 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 # ---------------------------------------------------------------- int4_a8 (W4A8)
 
+def _int4_a8_shape_ok(n: int, k: int) -> bool:
+    return n % INT4_A8_ROWS == 0 and k % INT4_A8_GROUP == 0
+
+
 def check_int4_a8_shape(n: int, k: int) -> None:
     """Raises ValueError unless [N, K] fits the interleaved layout."""
-    if n % INT4_A8_ROWS or k % INT4_A8_GROUP:
+    if not _int4_a8_shape_ok(n, k):
         raise ValueError(f"int4 weights with int8 activations need N % {INT4_A8_ROWS} == 0 "
                          f"and K % {INT4_A8_GROUP} == 0, got [N, K] = [{n}, {k}]")
 
 
 def fits_int4_a8(w: torch.Tensor) -> bool:
     """Whether an [N, K] weight can take this format (shape, and float16 scales and minimums)."""
-    n, k = w.shape
-    return (n % INT4_A8_ROWS == 0 and k % INT4_A8_GROUP == 0
+    return (_int4_a8_shape_ok(*w.shape)
             and w.detach().abs().max().item() <= torch.finfo(torch.float16).max)
 
 

@@ -309,7 +309,7 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
     at::parallel_for(0, N / kRows, grain, [&](int64_t b0, int64_t b1) {
       for (int64_t rb = b0; rb < b1; ++rb)
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
-          switch (std::min<int64_t>(MR, M - m0)) {
+          switch (std::min<int64_t>(MR, M - m0)) {   // cases above MR never run: <1, ND>
             case 4: block_tile<(MR >= 4 ? 4 : 1), ND>(a, rb, m0); break;
             case 3: block_tile<(MR >= 3 ? 3 : 1), ND>(a, rb, m0); break;
             case 2: block_tile<(MR >= 2 ? 2 : 1), ND>(a, rb, m0); break;
@@ -344,19 +344,5 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
 // ---- AOTInductor C shim (plugins/csrc/aoti_shim.h) -------------------------------------------
 #include "../../csrc/aoti_shim.h"
 
-// (x, qweight, scales, mins, bias?): both ops of this file.
-#define KILN_INT4_ROWS16_SHIM(name)                                                            \
-  KILN_AOTI_SHIM aoti_torch_cpu_##name(AtenTensorHandle x, AtenTensorHandle qweight,           \
-                                       AtenTensorHandle scales, AtenTensorHandle mins,         \
-                                       AtenTensorHandle* bias, AtenTensorHandle* ret0) {       \
-    using kiln_shim::T;                                                                        \
-    using kiln_shim::tensor;                                                                   \
-    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({                                               \
-      static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, kiln_shim::Opt)>("kiln::" #name); \
-      *ret0 = kiln_shim::result(op.call(tensor(x), tensor(qweight), tensor(scales),            \
-                                        tensor(mins), kiln_shim::optional(bias)));             \
-    });                                                                                        \
-  }
-
-KILN_INT4_ROWS16_SHIM(linear_int4_a8)
-KILN_INT4_ROWS16_SHIM(linear_int4_rows16)
+KILN_LINEAR_SHIM_3(linear_int4_a8)
+KILN_LINEAR_SHIM_3(linear_int4_rows16)

@@ -156,8 +156,9 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     "int8": with int8 weights every quantized linear, the lm_head included, runs W8A8; with
     int4 weights the linears run W4A8 (formats "int4_a8", group 32) and a tied lm_head W8A8
     on the embedding's int8 table. device: the plan's target; on "cpu", int4 weight-only at
-    group 32 stores the same interleaved format and runs kiln::linear_int4_rows16 (where
-    every quantized linear fits it: N % 16 == 0, |w| within float16). A bad argument raises
+    group 32 stores the same interleaved format and runs kiln::linear_int4_rows16; a linear
+    that does not fit it (N % 16 != 0, or its AWQ-scaled |w| beyond float16) keeps the
+    [N, K/2] layout and is named in the report's "int4_layout_kept". A bad argument raises
     FieldError naming it (`group_size`).
     """
     if weights not in formats.SCHEMES:
@@ -187,8 +188,10 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     layer_scheme = "int4_a8" if weights == "int4" and activations == "int8" else weights
     gs = (formats.INT4_A8_GROUP if layer_scheme == "int4_a8" else
           _resolve_group_size(group_size, all_q) if weights == "int4" else None)
-    if (layer_scheme == "int4" and device == "cpu" and gs == formats.INT4_A8_GROUP
-            and all(formats.fits_int4_a8(lin.weight) for lin in all_q.values())):
+    # Decided per linear, on the weight as it is quantized (after any AWQ scale): one that
+    # does not fit (rows not a multiple of 16, |w| beyond float16) keeps the [N, K/2] layout.
+    rows16 = (layer_scheme == "int4" and device == "cpu" and gs == formats.INT4_A8_GROUP)
+    if rows16:
         layer_scheme = "int4_a8"
     # what calibration inputs are for: AWQ scales (int4 weight-only), SmoothQuant (W8A8)
     calibrated = ("awq" if weights == "int4" and activations == "float" else
@@ -222,6 +225,7 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     if calibration is not None and not calibrated:
         report["calibration"] = ("not used: AWQ scale search applies to int4 weight-only, "
                                  "SmoothQuant to int8 weights with int8 activations")
+    rows16_used = False
     for name, lin in all_q.items():
         scale, alpha = None, None
         if name in acts and activations == "int8":
@@ -242,7 +246,13 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
                             activations=activations)
             report["lm_head"] = f"{qemb.scheme} (the tied embedding's table)"
         else:
-            q = QuantLinear.from_linear(lin, layer_scheme, gs, scale, activations)
+            scheme = layer_scheme
+            if rows16 and not formats.fits_int4_a8(
+                    lin.weight.detach().float() / (1 if scale is None else scale[None, :])):
+                scheme = "int4"
+                report.setdefault("int4_layout_kept", []).append(name)
+            rows16_used = rows16_used or scheme == "int4_a8"
+            q = QuantLinear.from_linear(lin, scheme, gs, scale, activations)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, q)
@@ -254,4 +264,6 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     if qemb is not None:
         model.tok_embeddings = qemb
         report["quantized"].append("tok_embeddings")
+    if rows16 and not rows16_used:
+        report["scheme"] = "int4"   # not one linear fit the interleaved format
     return report

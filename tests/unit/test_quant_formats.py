@@ -194,6 +194,43 @@ def test_bf16_model_stores_every_weight_bf16_and_the_tied_head_shares_the_table(
     assert ((out - ref).norm() / ref.norm()).item() < 0.005
 
 
+@pytest.mark.parametrize("via", ["weight", "awq_scale"])
+def test_int4_linear_beyond_float16_keeps_the_nk2_layout_alone(via, monkeypatch):
+    """int4 at group 32 on a CPU target stores the interleaved format per linear: one whose
+    weight as quantized (after its AWQ scale) exceeds float16 keeps the [N, K/2] layout, is
+    named in the report, and still multiplies right; the others stay interleaved."""
+    import builder.quantize as bq
+    model = _tiny_llama()
+    odd = "layers.0.attention.wqkv"
+    lin = model.get_submodule(odd)
+    x = torch.randn(16, lin.in_features)
+    ref = lin(x)
+    calibration = None
+    if via == "weight":
+        with torch.no_grad():
+            lin.weight[3, 5] = 1e5
+        ref = lin(x)
+    else:
+        real = bq.awq_search
+
+        def search(w, acts, scheme, gs):
+            if w is lin.weight:          # a scale that sends channel 5 past float16 once divided
+                s = torch.ones(w.shape[1])
+                s[5] = 1e-7
+                return s, 0.5
+            return real(w, acts, scheme, gs)
+        monkeypatch.setattr(bq, "awq_search", search)
+        calibration = _run
+    report = bq.quantize_model(model, "int4", calibration=calibration)
+    assert report["scheme"] == "int4_a8" and report["int4_layout_kept"] == [odd]
+    q = model.get_submodule(odd)
+    assert q.scheme == "int4" and q.group_size == 32
+    assert model.layers[0].attention.wo.scheme == "int4_a8"
+    if via == "weight":
+        rel = ((q(x) - ref).norm() / ref.norm()).item()
+        assert rel < 0.2, rel
+
+
 def test_quantize_model_group_size_error_names_layer_and_group_size():
     from builder.quantize import quantize_model
     model = _tiny_llama()

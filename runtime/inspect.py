@@ -77,4 +77,6 @@ def _scheme(q: dict) -> str:
     parts = [q["scheme"]] if q.get("scheme") not in (None, q.get("weights")) else []
     parts += [f"group {q['group_size']}"] if q.get("group_size") else []
     parts += [q["method"]] if q.get("method") not in (None, "rtn", "none") else []
+    kept = q.get("int4_layout_kept") or []
+    parts += [f"{len(kept)} linear(s) in the int4 [N, K/2] layout"] if kept else []
     return f" ({', '.join(parts)})" if parts else ""

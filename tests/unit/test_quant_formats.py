@@ -226,6 +226,8 @@ def test_int4_linear_beyond_float16_keeps_the_nk2_layout_alone(via, monkeypatch)
     q = model.get_submodule(odd)
     assert q.scheme == "int4" and q.group_size == 32
     assert model.layers[0].attention.wo.scheme == "int4_a8"
+    from runtime.inspect import _scheme      # `kiln inspect` says so
+    assert "1 linear(s) in the int4 [N, K/2] layout" in _scheme(report)
     if via == "weight":
         rel = ((q(x) - ref).norm() / ref.norm()).item()
         assert rel < 0.2, rel

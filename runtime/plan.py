@@ -308,12 +308,39 @@ def load_engine(path: Path, engine: EngineSection,
             load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
         f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
         if engine.backend == "aoti":
-            return _aoti_step(torch._inductor.aoti_load_package(str(f)), path, fix)
+            return _aoti_step(_load_aoti_package(f, Path(private), path, fix), path, fix)
         runner = torch.export.load(str(f)).module()
 
     def step(*args):
         return runner(*args)
     return step
+
+
+def _load_aoti_package(package: Path, scratch: Path, path: Path, fix: str):
+    """The AOTInductor package at `package`, loaded from an unpacked copy inside `scratch`.
+
+    torch's `aoti_load_package` unpacks a .pt2 into a /tmp/aotinductor_* directory that it
+    removes only when the loader object is destroyed, which a process that exits without
+    collecting it (or is killed) never does: every load left the plan's engine behind
+    (95-517 MB for the SmolLM2 plans; 826 of them, 40 GB, filled the disk of this project's
+    CI host). The loader does not own a directory it is given, so the package is unpacked
+    into the caller's private directory and loaded from there; the caller removes it once
+    loaded (the model's .so, weights included, stays mapped after its file is unlinked)."""
+    import zipfile
+
+    from torch._inductor.package.package import AOTICompiledModel
+
+    unpacked = scratch / "unpacked"
+    try:
+        with zipfile.ZipFile(package) as z:
+            z.extractall(unpacked)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise PlanError(f"plan {path}: its engine file cannot be unpacked ({e}). Rebuild: "
+                        f"{fix}", "engine.file") from None
+    roots = [d for d in unpacked.iterdir() if d.is_dir()]
+    root = roots[0] if len(roots) == 1 else unpacked    # the archive's one top folder
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(root), "model", False, 1, -1)
+    return AOTICompiledModel(loader)
 
 
 def _aoti_step(runner, path: Path, fix: str) -> StepFn:

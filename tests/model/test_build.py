@@ -1,5 +1,6 @@
 """The build pipeline on a tiny random model: plan layout, caching, refusals, fingerprints."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -174,6 +175,27 @@ def test_loading_a_plan_hashes_each_file_once(tiny_plan, monkeypatch):
     p = load_plan(tiny_plan)
     Executor.from_plan(p, kv_budget_bytes=1 << 20)
     assert sorted(hashed) == sorted(p.manifest.files)
+
+
+def test_loading_a_plan_leaves_no_temporary_files(tiny_plan, tmp_path):
+    """Loading unpacks the engine into a private directory that is gone once it is loaded,
+    even for a process that then dies without cleaning up (torch's own loader left a copy of
+    the engine in /tmp on every such exit)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("import os, sys; from runtime.compute import claim_process; claim_process(1)\n"
+            "from runtime.plan import load_plan; from runtime.executor import Executor\n"
+            f"ex = Executor.from_plan(load_plan({str(tiny_plan)!r}), kv_budget_bytes=1 << 20)\n"
+            "from pathlib import Path\n"
+            "print([str(f) for f in Path(os.environ['TMPDIR']).rglob('*') if f.is_file()])\n"
+            "sys.stdout.flush(); os._exit(0)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "TMPDIR": str(tmp)}, cwd=Path(__file__).parents[2],
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"    # no file while the engine is loaded
+    assert [f for f in tmp.rglob("*") if f.is_file()] == []            # nor after it died
+    assert not [d for d in tmp.iterdir() if d.name.startswith(("aotinductor_", "kiln-plan-"))]
 
 
 def test_failed_build_leaves_nothing(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -129,6 +130,14 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
                 cpu_codegen.enter_context(kernel_regions())
                 cpu_codegen.enter_context(torch._inductor.config.patch(
                     {"aot_inductor.custom_ops_to_c_shims": shims.declarations()}))
+            # The generated model (its .cpp and a .so that embeds the weights: 100-540 MB for
+            # SmolLM2) is written beside the package and removed once packaged, not into
+            # Inductor's cache, which kept one per build forever (25 GB on this project's
+            # CI host); a rebuild of unchanged inputs never compiles (the fingerprint).
+            work = cpu_codegen.enter_context(
+                tempfile.TemporaryDirectory(prefix=".aoti-", dir=path.parent))
+            cpu_codegen.enter_context(torch._inductor.config.patch(
+                {"aot_inductor.output_path": work}))
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
     elif backend == "eager":
         torch.export.save(ep, str(path))

@@ -198,6 +198,23 @@ def test_loading_a_plan_leaves_no_temporary_files(tiny_plan, tmp_path):
     assert not [d for d in tmp.iterdir() if d.name.startswith(("aotinductor_", "kiln-plan-"))]
 
 
+def test_build_leaves_no_compiled_model_in_inductors_cache(tiny_spec_path, tmp_path):
+    """The generated model (.cpp, and a .so that embeds the weights) is removed once packaged;
+    Inductor's cache used to keep one per build (100-540 MB each for SmolLM2)."""
+    cache = tmp_path / "inductor-cache"
+    code = ("from builder.build import build; from builder.progress import Progress\n"
+            f"build({str(tiny_spec_path)!r}, {str(tmp_path / 'plan')!r}, "
+            "progress=Progress(enabled=False))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache)},
+                       cwd=Path(__file__).parents[2], timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "plan" / "engine.pt2").is_file()
+    left = [f.name for f in cache.rglob("*") if ".wrapper." in f.name or ".kernel." in f.name]
+    assert left == []
+    assert not [f for f in (tmp_path / "plan").rglob(".aoti-*")]
+
+
 def test_failed_build_leaves_nothing(tmp_path):
     """A checkpoint that fails mid-build leaves no plan and no temporary directory."""
     ckpt = tmp_path / "ckpt"

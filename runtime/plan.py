@@ -308,7 +308,7 @@ def load_engine(path: Path, engine: EngineSection,
             load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
         f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
         if engine.backend == "aoti":
-            return _aoti_step(_load_aoti_package(f, Path(private), path, fix), path, fix)
+            return _aoti_step(load_aoti_package(f, Path(private), path, fix), path, fix)
         runner = torch.export.load(str(f)).module()
 
     def step(*args):
@@ -316,7 +316,8 @@ def load_engine(path: Path, engine: EngineSection,
     return step
 
 
-def _load_aoti_package(package: Path, scratch: Path, path: Path, fix: str):
+def load_aoti_package(package: Path, scratch: Path, path: Optional[Path] = None,
+                      fix: str = "rebuild the plan"):
     """The AOTInductor package at `package`, loaded from an unpacked copy inside `scratch`.
 
     torch's `aoti_load_package` unpacks a .pt2 into a /tmp/aotinductor_* directory that it
@@ -330,13 +331,15 @@ def _load_aoti_package(package: Path, scratch: Path, path: Path, fix: str):
 
     from torch._inductor.package.package import AOTICompiledModel
 
-    unpacked = scratch / "unpacked"
+    import tempfile
+
+    unpacked = Path(tempfile.mkdtemp(prefix="unpacked-", dir=scratch))
     try:
         with zipfile.ZipFile(package) as z:
             z.extractall(unpacked)
     except (zipfile.BadZipFile, OSError) as e:
-        raise PlanError(f"plan {path}: its engine file cannot be unpacked ({e}). Rebuild: "
-                        f"{fix}", "engine.file") from None
+        raise PlanError(f"plan {path or package}: its engine file cannot be unpacked ({e}). "
+                        f"Rebuild: {fix}", "engine.file") from None
     roots = [d for d in unpacked.iterdir() if d.is_dir()]
     root = roots[0] if len(roots) == 1 else unpacked    # the archive's one top folder
     loader = torch._C._aoti.AOTIModelPackageLoader(str(root), "model", False, 1, -1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,19 @@ class Generated:
     tokens: list[list[int]]                 # new tokens per prompt (stopped at eos if given)
     prefill_logits: torch.Tensor            # [B, vocab] logits at each prompt's last position
     step_logits: list[list[torch.Tensor]] = field(default_factory=list)  # per seq, per new token
+
+
+def load_package(package) -> Callable:
+    """An AOTInductor package, loaded the way the runtime loads a plan's engine: unpacked into
+    a private directory that is removed once loaded (torch's aoti_load_package leaves its
+    unpacked copy in /tmp whenever its loader is not collected)."""
+    import tempfile
+    from pathlib import Path
+
+    from runtime.plan import load_aoti_package
+
+    with tempfile.TemporaryDirectory(prefix="kiln-test-") as scratch:
+        return load_aoti_package(Path(package), Path(scratch))
 
 
 def greedy_generate(model: LlamaModel, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -12,6 +12,7 @@ from builder.target import resolve_level
 from plugins import shims
 from plugins.paged_kv import kernels as pa_kernels
 from plugins.quant import formats, kernels as q_kernels
+from tests.helpers import load_package
 
 pytestmark = pytest.mark.model
 
@@ -67,7 +68,7 @@ def test_compiled_graph_calls_the_shims_and_matches_eager(tmp_path):
     undefined = subprocess.run(["nm", "-D", "--undefined-only", str(so)], capture_output=True,
                                text=True).stdout
     assert "aoti_torch_cpu_linear_int4_a8" in undefined       # resolved from the kernel library
-    run = torch._inductor.aoti_load_package(str(path))
+    run = load_package(str(path))
     for m in (1, 3, 64):
         x = torch.randn(m, 96)
         torch.testing.assert_close(run(x), model(x), rtol=0, atol=0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from builder.target import inductor_isa, kernel_regions, resolve_level
+from tests.helpers import load_package
 
 pytestmark = pytest.mark.model
 
@@ -52,7 +53,7 @@ def test_small_calls_run_serial_large_ones_parallel_both_match_eager(tmp_path):
     src = compile_at(ep, tmp_path / "f.pt2", 1, min_elements=threshold)
     assert f">= {threshold})\n" in src and "else\n" in src
     assert "#pragma omp parallel\n" in src and "num_threads(" not in src
-    run = torch._inductor.aoti_load_package(str(tmp_path / "f.pt2"))
+    run = load_package(str(tmp_path / "f.pt2"))
     with torch_threads(2):
         for t in (1, 3, 4, 5, 300):          # 64-192 elements serial, 256 and up forked
             x = torch.randn(t, width)
@@ -69,7 +70,7 @@ def test_the_build_machines_thread_count_never_enters_the_code(tmp_path):
     three = compile_at(ep, tmp_path / "three.pt2", 3)
     assert one == three
     assert "omp_get_max_threads()" in one and "num_threads(" not in one
-    run = torch._inductor.aoti_load_package(str(tmp_path / "one.pt2"))
+    run = load_package(str(tmp_path / "one.pt2"))
     x = torch.randn(1 << 20, dtype=torch.float64).float()
     for threads in (1, 2, 5):
         with torch_threads(threads):

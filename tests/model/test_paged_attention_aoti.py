@@ -8,6 +8,7 @@ import torch
 
 from plugins.paged_kv import kernels
 from plugins.paged_kv.ops import paged_attention_reference
+from tests.helpers import load_package
 
 pytestmark = pytest.mark.model
 
@@ -55,7 +56,7 @@ def test_aoti_calls_kernel_in_place(tmp_path):
     ep = torch.export.export(Attn(), (q, k, v, k_cache, v_cache, sm, bt, cl, qsl),
                              dynamic_shapes=dyn)
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
-    runner = torch._inductor.aoti_load_package(pkg)
+    runner = load_package(pkg)
 
     # A different batch than the traced one: a prefill chunk after context, decodes, a new seq.
     q, k, v, sm, bt, cl, qsl = step_inputs([(40, 30), (100, 1), (0, 9), (7, 1)], seed=1)

@@ -7,7 +7,7 @@ from torch import nn
 from plugins.quant import formats, kernels, ops
 from plugins.quant.modules import QuantLinear
 from tests.helpers import (K_NOT_MULTIPLE_OF_32, ODD_BATCHES, ODD_SHAPES, SMOLLM2_SHAPES,
-                           check_quant_linear)
+                           check_quant_linear, load_package)
 
 pytestmark = pytest.mark.model
 
@@ -145,7 +145,7 @@ def test_quant_linear_compiles_with_aoti(tmp_path):
     tokens = torch.export.Dim("tokens", min=1, max=256)
     ep = torch.export.export(m, (x,), dynamic_shapes=({0: tokens},))
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "q.pt2"))
-    runner = torch._inductor.aoti_load_package(pkg)
+    runner = load_package(pkg)
     for rows in (1, 17):
         xi = torch.randn(rows, 64)
         torch.testing.assert_close(runner(xi), m(xi), rtol=1e-4, atol=1e-4)

@@ -327,11 +327,10 @@ def load_aoti_package(package: Path, scratch: Path, path: Optional[Path] = None,
     CI host). The loader does not own a directory it is given, so the package is unpacked
     into the caller's private directory and loaded from there; the caller removes it once
     loaded (the model's .so, weights included, stays mapped after its file is unlinked)."""
+    import tempfile
     import zipfile
 
     from torch._inductor.package.package import AOTICompiledModel
-
-    import tempfile
 
     unpacked = Path(tempfile.mkdtemp(prefix="unpacked-", dir=scratch))
     try:

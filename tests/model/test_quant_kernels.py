@@ -232,3 +232,24 @@ def test_int4_rows16_digits_precision_with_an_outlier_channel(m):
     assert ((out.double() - ref).abs() <= bound + slack).all()
     # the other groups keep their own precision: far tighter than a per-row scale would give
     assert (out.double() - ref).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("op", ["linear_int4_a8", "linear_int4_rows16"])
+def test_int4_a8_activation_groups_of_zeros_ties_and_extremes(op):
+    """The per-group quantization of x (vectorized: one row of x quantizes on one thread
+    before the GEMV forks) matches the reference's: a group of zeros (scale 1, no digits),
+    halves that round to even, values near float32's limit, one outlier in a group."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(4, 576, generator=g)
+    x[0, 32:64] = 0
+    ties = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5] * 4)
+    x[1, 64:96] = ties                              # max 127: scale 1, x / s exactly .5
+    x[2] *= 1e30                                    # no overflow in the scales or the sums
+    x[3, 7] = 1e6                                   # one group dominated by one value
+    w = torch.randn(960, 576, generator=g) * 0.05
+    q = formats.quantize(w, "int4_a8")
+    out = getattr(torch.ops.kiln, op)(x, q.qweight, q.scales, q.zeros, None)
+    ref = getattr(ops, f"{op}_reference")(x, q.qweight, q.scales, q.zeros, None)
+    assert torch.isfinite(out).all()
+    err = (out - ref).abs().amax(dim=1)
+    assert (err <= 2e-5 * ref.abs().amax(dim=1)).all(), err / ref.abs().amax(dim=1)

@@ -2,7 +2,7 @@
 the Python around it, and when the token's serving path runs (README, issue 12 item 1).
 
     python bench/serve_timeline.py [--plan plans/smollm2-135m-throughput-cpu] [--threads 2]
-        [--requests 8] [--tokens 128] [--post-at-launch] [--json F]
+        [--requests 8] [--tokens 128] [--json F]
 
 A child process runs `kiln serve PLAN` unchanged but for timers: the engine thread's phases
 (scheduling, ModelInput.build, the compiled step, the sampler, update) are wrapped, and the
@@ -12,9 +12,9 @@ are time-stamped. This process drives it over gRPC with `kiln bench --url`'s loa
 and prints the medians: the step inside the server, the period between steps, each phase,
 and where the serving path's events fall (inside a step, or in the gap after one).
 
---post-at-launch: the engine holds a step's outputs and hands them to the post thread just
-before it calls the next compiled step (instead of as each is made), so the serving path
-could run while the step has released the GIL. An experiment, not the server's behaviour.
+The engine thread holds each step's outputs until it launches the next step, which runs without
+the GIL (runtime/streams.hold_posts, plugins/engine_call): the serving path is expected inside
+the steps. A plan built before the engine-call library runs its step holding the GIL.
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ def _median_us(xs: list[float]) -> float:
     return statistics.median(xs) * 1e6 if xs else float("nan")
 
 
-def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str,
-                       post_at_launch: bool) -> None:
+def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str) -> None:
     """The child: `kiln serve` with the engine's phases and the serving events timed."""
     from runtime.compute import claim_process
     claim_process(threads)                       # before torch, as `kiln serve` does
@@ -55,7 +54,6 @@ def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str,
     phases: dict[str, list[float]] = {}
     steps: list[tuple[float, float]] = []        # (start, end) of each compiled step
     events: dict[str, list[float]] = {"deliver": [], "response": []}
-    held: list[tuple] = []
 
     def timed(cls, name: str, key: str) -> None:
         f = getattr(cls, name)
@@ -74,27 +72,9 @@ def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str,
                            (engine_mod.Engine, "update", "update (emit, deliver)")):
         timed(cls, name, key)
 
-    post_put = streams_mod.LoopPost.put
-    if post_at_launch:
-        streams_mod.LoopPost.put = lambda self, aq, o: held.append((self, aq, o))
-        run_once = engine_mod.Engine._run_once
-
-        def run_once_flushing(self):
-            if held and not self.scheduler.has_work():     # nothing to launch: hand over now
-                flush()
-            return run_once(self)
-        engine_mod.Engine._run_once = run_once_flushing
-
-    def flush() -> None:
-        for post, aq, o in held:
-            post_put(post, aq, o)
-        held.clear()
-
     execute = executor_mod.Executor.execute
 
     def execute_timed(self, batch):
-        if held:
-            flush()
         t0 = time.perf_counter()
         try:
             return execute(self, batch)
@@ -155,13 +135,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--post-at-launch", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--_serve", nargs=4, help=argparse.SUPPRESS)   # the child's role
+    ap.add_argument("--_serve", nargs=3, help=argparse.SUPPRESS)   # the child's role
     args = ap.parse_args()
     if args._serve:
-        port, mport, out, post = args._serve
-        serve_instrumented(args.plan, args.threads, int(port), int(mport), out, post == "1")
+        port, mport, out = args._serve
+        serve_instrumented(args.plan, args.threads, int(port), int(mport), out)
         return
     from bench.grpc_vs_inprocess import free_port, wait_serving
     from runtime.server.loadgen import run_loadgen
@@ -170,8 +149,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "timeline.json")
         proc = subprocess.Popen([sys.executable, __file__, "--plan", args.plan, "--threads",
-                                 str(args.threads), "--_serve", str(port), str(mport), out,
-                                 "1" if args.post_at_launch else "0"],
+                                 str(args.threads), "--_serve", str(port), str(mport), out],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_serving(port, proc)
@@ -184,8 +162,7 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
         res = summarize(json.loads(Path(out).read_text()))
-    res.update(tok_s=1.0 / level["tpot_s"]["mean"], post_at_launch=args.post_at_launch,
-               plan=args.plan, threads=args.threads)
+    res.update(tok_s=1.0 / level["tpot_s"]["mean"], plan=args.plan, threads=args.threads)
     print(f"decode over gRPC {res['tok_s']:.1f} tok/s; inside the server: compiled step "
           f"{res['step_us'] / 1e3:.2f} ms, a step every {res['period_us'] / 1e3:.2f} ms "
           f"({res['step_us'] / res['period_us']:.0%} of it in the step)")

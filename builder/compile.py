@@ -33,6 +33,7 @@ def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
     libs = []
     if spec.target.is_gpu:
         return libs
+    from plugins.engine_call import kernels as call_kernels
     from plugins.paged_kv import kernels as pa_kernels
 
     libs.append(pa_kernels.build(level))
@@ -40,6 +41,7 @@ def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
         from plugins.quant import kernels as q_kernels
 
         libs.append(q_kernels.build(level))
+    libs.append(call_kernels.build(level))   # the runtime calls the engine through it, GIL free
     out_dir.mkdir(parents=True, exist_ok=True)
     copied = []
     for lib in libs:

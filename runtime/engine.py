@@ -32,7 +32,7 @@ from runtime.model_runner import ModelRunner
 from runtime.plan import Plan, load_plan
 from runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
 from runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
-                             Usage)
+                             Usage, hold_posts, release_posts)
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln.runtime")
@@ -228,12 +228,18 @@ class Engine:
         the failure callbacks run (the server reports NOT_SERVING)."""
         try:
             enter_engine_thread(self.num_threads)
+            hold_posts()    # outputs go out as the next step launches (runtime/streams.py)
+            self.model_runner.before_launch = release_posts
             while self._run_once():
                 pass
         except BaseException as e:
             self._die(e)
+        finally:
+            release_posts()
 
     def _run_once(self) -> bool:
+        if not self.scheduler.has_work():
+            release_posts()    # nothing to launch: hand the held outputs over before waiting
         with self._cv:
             while not self._inbox and not self.scheduler.has_work() and not self._closed:
                 self._cv.wait()

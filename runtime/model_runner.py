@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,6 +38,9 @@ class ModelRunner:
         self.executor = executor
         self.sampler = sampler
         self.masker: Optional[Masker] = None     # made by the first constrained request
+        # called just before each compiled step, or where one would have launched (the
+        # engine: release the outputs its thread holds, runtime/streams.hold_posts)
+        self.before_launch: Optional[Callable[[], None]] = None
         self.tokens_per_block = executor.layout.tokens_per_block
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
@@ -50,8 +53,13 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
         if out.is_empty:
+            if self.before_launch is not None:
+                self.before_launch()
             return SampledOutput([])
-        logits = self.executor.execute(self.prepare(out))            # [B, vocab]
+        batch = self.prepare(out)
+        if self.before_launch is not None:
+            self.before_launch()
+        logits = self.executor.execute(batch)                        # [B, vocab]
         rows = [i for i, s in enumerate(out.sample) if s]
         sampled: list[Optional[int]] = [None] * len(out.seqs)
         if rows:

@@ -293,6 +293,7 @@ def load_engine(path: Path, engine: EngineSection,
     import tempfile
 
     from plugins.cpp_build import load_library
+    from plugins.engine_call import kernels as engine_call
 
     if engine.backend not in ("aoti", "eager"):
         raise PlanError(f"plan {path} uses engine backend {engine.backend!r}, which this "
@@ -308,7 +309,10 @@ def load_engine(path: Path, engine: EngineSection,
             load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
         f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
         if engine.backend == "aoti":
-            return _aoti_step(load_aoti_package(f, Path(private), path, fix), path, fix)
+            if engine_call.available():   # the plan's kernels include the GIL-free call
+                return _aoti_step(_NoGilEngine.open(f, Path(private), path, fix), path, fix)
+            return _aoti_step(_LoaderEngine(load_aoti_package(f, Path(private), path, fix)),
+                              path, fix)
         runner = torch.export.load(str(f)).module()
 
     def step(*args):
@@ -327,10 +331,17 @@ def load_aoti_package(package: Path, scratch: Path, path: Optional[Path] = None,
     CI host). The loader does not own a directory it is given, so the package is unpacked
     into the caller's private directory and loaded from there; the caller removes it once
     loaded (the model's .so, weights included, stays mapped after its file is unlinked)."""
+    from torch._inductor.package.package import AOTICompiledModel
+
+    loader = torch._C._aoti.AOTIModelPackageLoader(
+        str(_unpack(package, scratch, path, fix)), "model", False, 1, -1)
+    return AOTICompiledModel(loader)
+
+
+def _unpack(package: Path, scratch: Path, path: Optional[Path], fix: str) -> Path:
+    """The .pt2 archive unpacked into a new directory inside `scratch`; returns its top folder."""
     import tempfile
     import zipfile
-
-    from torch._inductor.package.package import AOTICompiledModel
 
     unpacked = Path(tempfile.mkdtemp(prefix="unpacked-", dir=scratch))
     try:
@@ -340,9 +351,51 @@ def load_aoti_package(package: Path, scratch: Path, path: Optional[Path] = None,
         raise PlanError(f"plan {path or package}: its engine file cannot be unpacked ({e}). "
                         f"Rebuild: {fix}", "engine.file") from None
     roots = [d for d in unpacked.iterdir() if d.is_dir()]
-    root = roots[0] if len(roots) == 1 else unpacked    # the archive's one top folder
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(root), "model", False, 1, -1)
-    return AOTICompiledModel(loader)
+    return roots[0] if len(roots) == 1 else unpacked    # the archive's one top folder
+
+
+class _LoaderEngine:
+    """The compiled engine through torch's package loader (holds the GIL while it runs)."""
+
+    def __init__(self, compiled):
+        self.loader = compiled.loader
+
+    def call_spec(self) -> list[str]:
+        return self.loader.get_call_spec()
+
+    def run(self, flat: list) -> list:
+        return self.loader.boxed_run(flat)
+
+
+class _NoGilEngine:
+    """The compiled engine through the plan's kiln_engine_call library
+    (plugins/engine_call): the same AOTInductor CPU runner the package loader creates, called
+    as a torch op, which releases the GIL for the step. Closed (runner, weights, .so mapping
+    freed) when the step that holds it is dropped."""
+
+    def __init__(self, handle: int):
+        self.handle = handle
+        self._run = torch.ops.kiln_engine.run.default
+
+    @classmethod
+    def open(cls, package: Path, scratch: Path, path: Optional[Path], fix: str) -> "_NoGilEngine":
+        models = sorted((_unpack(package, scratch, path, fix) / "data" / "aotinductor"
+                         / "model").glob("*.so"))
+        if len(models) != 1:
+            raise PlanError(f"plan {path or package}: its engine holds {len(models)} compiled "
+                            f"models, expected one. Rebuild: {fix}", "engine.file")
+        return cls(torch.ops.kiln_engine.open(str(models[0])))
+
+    def call_spec(self) -> list[str]:
+        return torch.ops.kiln_engine.call_spec(self.handle)
+
+    def run(self, flat: list) -> list:
+        return self._run(self.handle, flat)
+
+    def __del__(self):
+        close = getattr(getattr(torch.ops, "kiln_engine", None), "close", None)
+        if close is not None:
+            close(self.handle)
 
 
 def _aoti_step(runner, path: Path, fix: str) -> StepFn:
@@ -353,9 +406,9 @@ def _aoti_step(runner, path: Path, fix: str) -> StepFn:
     first call checks that order against the engine's own input spec."""
     import torch.utils._pytree as pytree
 
-    loader = runner.loader
-    in_spec, out_spec = (pytree.treespec_loads(s) for s in loader.get_call_spec())
+    in_spec, out_spec = (pytree.treespec_loads(s) for s in runner.call_spec())
     checked = False
+    run = runner.run
 
     def step(*args):
         nonlocal checked
@@ -366,7 +419,7 @@ def _aoti_step(runner, path: Path, fix: str) -> StepFn:
                                 f"runtime passes {spec}. Rebuild: {fix}", "engine.file")
             checked = True
         flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
-        return pytree.tree_unflatten(loader.boxed_run(flat), out_spec)
+        return pytree.tree_unflatten(run(flat), out_spec)
     return step
 
 

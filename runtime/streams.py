@@ -62,6 +62,26 @@ class RequestResult:
     logprobs: Optional[list[TokenLogprobs]] = None
 
 
+_held = threading.local()
+
+
+def hold_posts() -> None:
+    """From now on this thread's LoopPost puts are held until release_posts() (the engine
+    thread: it releases them as it launches the compiled step, which runs without the GIL, so
+    the serving path runs during the step instead of between steps, where it took turns on
+    the GIL with the engine's own Python: `bench/serve_timeline.py`, README "Measured")."""
+    _held.items = []
+
+
+def release_posts() -> None:
+    """Hand this thread's held outputs to their post threads, in order."""
+    items = getattr(_held, "items", None)
+    if items:
+        _held.items = []
+        for post, aq, out in items:
+            post._q.put((aq, out))
+
+
 class LoopPost:
     """Carries outputs from the engine thread into one asyncio loop, without a system call on
     the engine thread.
@@ -70,9 +90,9 @@ class LoopPost:
     the GIL: the loop's thread took it and ran the token's whole serving path (protobuf,
     gRPC write) while the engine thread waited to get it back — measured with py-spy, 4.4% of
     the engine thread's time at one stream. Here the engine thread only appends to a queue
-    (no GIL release); this post thread, woken when the engine releases the GIL for the
-    compiled step, makes the call, so the loop's work overlaps the step instead of
-    lengthening it. Outputs keep their order (one FIFO per loop)."""
+    (no GIL release; held until the next step's launch, see hold_posts); this post thread
+    makes the call while the compiled step runs without the GIL, so the loop's work overlaps
+    the step instead of lengthening it. Outputs keep their order (one FIFO per loop)."""
 
     _posts: dict[int, "LoopPost"] = {}
     _posts_lock = threading.Lock()
@@ -92,7 +112,11 @@ class LoopPost:
             return post
 
     def put(self, aq: asyncio.Queue, out: "RequestOutput") -> None:
-        self._q.put((aq, out))
+        held = getattr(_held, "items", None)
+        if held is not None:
+            held.append((self, aq, out))
+        else:
+            self._q.put((aq, out))
 
     def _run(self) -> None:
         name_os_thread("kiln-post")

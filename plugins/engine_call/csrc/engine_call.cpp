@@ -1,0 +1,69 @@
+// kiln_engine::{open, call_spec, run, close}: a CPU plan's compiled engine (AOTInductor's
+// model .so) called through the dispatcher, so that a Python caller holds no GIL while the step
+// runs. torch's AOTIModelPackageLoader.boxed_run keeps the GIL for the whole call: in `kiln
+// serve` the event loop and the post thread then could run no Python during a step, only
+// between steps, where they took turns on the GIL with the engine thread's own Python. Calls of
+// torch.ops release the GIL; these ops run the same AOTIModelContainerRunnerCpu the package
+// loader would create, on the model .so the runtime unpacked from the verified plan.
+//
+// Engines live in a process-wide table (an int handle per open; close frees the runner, its
+// weights and the .so mapping). A handle's runs may come from one thread at a time (the engine
+// thread); the table itself is guarded.
+#include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+extern "C" __attribute__((used, visibility("default")))
+const char kiln_engine_call_kernel_path[] = "KILN_KERNEL_PATH:engine call: aoti cpu runner, no GIL";
+
+namespace {
+
+using Runner = torch::inductor::AOTIModelContainerRunnerCpu;
+
+std::mutex table_mutex;
+std::vector<std::shared_ptr<Runner>>& table() {
+  static std::vector<std::shared_ptr<Runner>> engines;
+  return engines;
+}
+
+std::shared_ptr<Runner> engine(int64_t handle) {
+  std::lock_guard<std::mutex> lock(table_mutex);
+  TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(table().size()) && table()[handle],
+              "kiln_engine: no open engine ", handle);
+  return table()[handle];
+}
+
+int64_t open(c10::string_view model_so) {
+  auto runner = std::make_shared<Runner>(std::string(model_so), /*num_models=*/1,
+                                         /*run_single_threaded=*/false);
+  std::lock_guard<std::mutex> lock(table_mutex);
+  table().push_back(std::move(runner));
+  return static_cast<int64_t>(table().size()) - 1;
+}
+
+std::vector<std::string> call_spec(int64_t handle) { return engine(handle)->get_call_spec(); }
+
+std::vector<at::Tensor> run(int64_t handle, std::vector<at::Tensor> inputs) {
+  return engine(handle)->boxed_run(std::move(inputs));
+}
+
+void close(int64_t handle) {
+  std::shared_ptr<Runner> gone;
+  {
+    std::lock_guard<std::mutex> lock(table_mutex);
+    if (handle >= 0 && handle < static_cast<int64_t>(table().size())) gone.swap(table()[handle]);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kiln_engine, m) {
+  m.def("open(str model_so) -> int", &open);
+  m.def("call_spec(int engine) -> str[]", &call_spec);
+  m.def("run(int engine, Tensor[] inputs) -> Tensor[]", &run);
+  m.def("close(int engine) -> ()", &close);
+}

@@ -1,0 +1,81 @@
+"""A CPU plan's compiled step is called without the GIL (plugins/engine_call): while the
+engine thread steps, other Python threads (kiln serve's event loop and post thread) run."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The engine thread steps until told to stop (at most `limit` steps). The switch interval is
+# made far longer than the test, so the main thread gets the GIL back only when the engine
+# thread gives it up on its own: if the step held it, the main thread would resume only once
+# the engine thread's loop had ended, and find it no longer alive.
+STEP_LOOP = """
+import sys, threading
+from runtime.compute import claim_process
+claim_process(1)
+from runtime.executor import Executor, ModelInput
+from runtime.plan import load_plan
+plan = load_plan(sys.argv[1])
+ex = Executor.from_plan(plan, kv_budget_bytes=1 << 20)
+bs = plan.manifest.kv_cache.tokens_per_block
+batch = ModelInput.build([[1, 2, 3]], [0], [[1]], bs)
+ex.execute(batch)
+started, stop, steps = threading.Event(), [False], [0]
+def loop(limit=int(sys.argv[2])):
+    started.set()
+    while not stop[0] and steps[0] < limit:
+        ex.execute(batch)
+        steps[0] += 1
+sys.setswitchinterval(1000.0)
+t = threading.Thread(target=loop)
+t.start()
+started.wait()
+alive = t.is_alive()
+stop[0] = True
+t.join()
+print(sys.argv[3], alive, steps[0])
+"""
+
+
+def _run(plan: Path, limit: int) -> tuple[bool, int]:
+    r = subprocess.run([sys.executable, "-c", STEP_LOOP, str(plan), str(limit), "RESULT"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+    return line[1] == "True", int(line[2])
+
+
+def test_the_plan_ships_the_engine_call_library(tiny_plan):
+    m = json.loads((tiny_plan / "plan.json").read_text())
+    calls = [k for k in m["engine"]["kernels"] if k.endswith("kiln_engine_call.so")]
+    assert len(calls) == 1 and calls[0] in m["files"]
+    assert m["engine"]["kernel_paths"][calls[0]].startswith("engine call")
+
+
+def test_other_threads_run_python_while_the_engine_steps(tiny_plan):
+    alive, steps = _run(tiny_plan, 2000)
+    assert alive and steps < 2000
+
+
+def test_a_plan_without_the_library_still_loads_and_holds_the_gil(tiny_plan, tmp_path):
+    """Plans built before the library: the runtime falls back to torch's package loader (which
+    holds the GIL for the step: the check above fails on it)."""
+    import shutil
+
+    plan = tmp_path / "plan"
+    shutil.copytree(tiny_plan, plan)
+    m = json.loads((plan / "plan.json").read_text())
+    lib = next(k for k in m["engine"]["kernels"] if k.endswith("kiln_engine_call.so"))
+    m["engine"]["kernels"].remove(lib)
+    m["engine"]["kernel_paths"].pop(lib)
+    m["files"].pop(lib)
+    (plan / lib).unlink()
+    (plan / "plan.json").write_text(json.dumps(m))
+    alive, steps = _run(plan, 50)
+    assert not alive and steps == 50

@@ -273,11 +273,30 @@ def test_non_streamed_request_of_a_gone_client_is_cancelled(server):
 
 
 # ---- loading and a full queue (503, 429); draining (503) ---------------------------------------
+# `kiln serve` whose plan loading waits for a file to appear: the test decides when loading
+# ends (a real load takes about a second, which a request sent just after a 503 could outlast)
+GATED_SERVE = """
+import os, sys, time
+import runtime.server.app as app
+real = app._load
+def _load(cfg):
+    while not os.path.exists(GATE):
+        time.sleep(0.02)
+    return real(cfg)
+app._load = _load
+from kiln.cli import main
+sys.argv = ["kiln", *sys.argv[1:]]
+main()
+"""
+
+
 def test_loading_is_503_and_full_queue_is_429(chat_plan, tmp_path):
     # 503 while the plan loads; then a full queue (one running, one waiting) refuses at once
+    gate = tmp_path / "loaded"
     s = HttpServer(chat_plan, "--max-batch-size", "1", "--max-queue", "1",
-                   log_path=tmp_path / "serve.log")
-    try:   # the HTTP API answers while the plan loads (seconds)
+                   log_path=tmp_path / "serve.log",
+                   entry=("-c", f"GATE = {str(gate)!r}\n" + GATED_SERVE))
+    try:   # the HTTP API answers while the plan loads
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -290,6 +309,7 @@ def test_loading_is_503_and_full_queue_is_429(chat_plan, tmp_path):
         with pytest.raises(openai.InternalServerError) as e:
             s.client().completions.create(model=MODEL, prompt="early", max_tokens=2)
         assert e.value.status_code == 503
+        gate.touch()
         s.wait_serving()
 
         async def one(c, i):

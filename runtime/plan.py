@@ -421,6 +421,7 @@ def _aoti_step(runner, path: Path, fix: str) -> StepFn:
             checked = True
         flat = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
         return pytree.tree_unflatten(run(flat), out_spec)
+    step.engine = runner    # which call the step goes through (tests, diagnostics)
     return step
 
 

@@ -40,7 +40,10 @@
 #else
 #define KILN_PA_VEC "scalar at::vec"
 #endif
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define KILN_PA_ROWS ", avx512 row conversion"
+#elif defined(__AVX2__)
 #include <immintrin.h>
 #define KILN_PA_ROWS ", avx2 row conversion"
 #else
@@ -101,6 +104,12 @@ inline void load_row(const cache_t* src, float* dst, int64_t D) {
 template <>
 inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
   int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= D; d += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
 #if defined(__AVX2__)
   for (; d + 8 <= D; d += 8) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
@@ -114,6 +123,13 @@ template <>
 inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t D) {
   const float s = row_scale(src, D);
   int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 ws = _mm512_set1_ps(s);
+  for (; d + 16 <= D; d += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), ws));
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 vs = _mm256_set1_ps(s);
   for (; d + 8 <= D; d += 8) {
@@ -132,6 +148,16 @@ inline void load_row<fp8>(const fp8* src, float* dst, int64_t D) {
   const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
   constexpr float k2p120 = 1.329227995784916e36f;  // 2^120
   int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 ws = _mm512_set1_ps(s), wp = _mm512_set1_ps(k2p120);
+  const __m512i wsign = _mm512_set1_epi32(0x80), wmag = _mm512_set1_epi32(0x7F);
+  for (; d + 16 <= D; d += 16) {
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + d)));
+    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, wsign), 24),
+                                         _mm512_slli_epi32(_mm512_and_si512(x, wmag), 20));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), wp), ws));
+  }
+#endif
 #if defined(__AVX2__)
   const __m256 vs = _mm256_set1_ps(s), vp = _mm256_set1_ps(k2p120);
   const __m256i sign = _mm256_set1_epi32(0x80), mag = _mm256_set1_epi32(0x7F);
@@ -232,7 +258,16 @@ inline void dot4(const float* a, const float* b0, const float* b1, const float* 
     s2 = at::vec::fmadd(x, Vec::loadu(b2 + d), s2);
     s3 = at::vec::fmadd(x, Vec::loadu(b3 + d), s3);
   }
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  // fold each 512-bit sum to 256 bits, then the AVX2 reduction below
+  auto fold = [](__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)),
+                                  _mm256_hadd_ps(fold(s2), fold(s3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 #else

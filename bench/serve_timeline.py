@@ -136,6 +136,10 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--client-anywhere", action="store_true",
+                    help="with --threads below the cores the server keeps its compute threads "
+                         "on their own cores; the load generator runs on the others unless "
+                         "this is given")
     ap.add_argument("--_serve", nargs=3, help=argparse.SUPPRESS)   # the child's role
     args = ap.parse_args()
     if args._serve:
@@ -143,6 +147,7 @@ def main() -> None:
         serve_instrumented(args.plan, args.threads, int(port), int(mport), out)
         return
     from bench.grpc_vs_inprocess import free_port, wait_serving
+    from runtime.compute import pin_process, serving_cores
     from runtime.server.loadgen import run_loadgen
 
     port, mport = free_port(), free_port()
@@ -153,6 +158,9 @@ def main() -> None:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_serving(port, proc)
+            client_cores = serving_cores(args.threads)
+            if client_cores is not None and not args.client_anywhere:
+                pin_process(client_cores)     # off the server's compute cores (below)
             url, quiet = f"127.0.0.1:{port}", (lambda *a, **k: None)
             run_loadgen(url, requests=2, output_len=args.tokens, concurrencies=(1,),
                         print_fn=quiet)                                   # warm-up

@@ -13,6 +13,13 @@ So a serving process is laid out as: every thread but the engine's computes sing
 engine thread raises its own OpenMP thread count to the cores it was given
 (`enter_engine_thread`). Python work on other threads (gRPC, detokenizing for the API,
 tokenizing) then never owns a pool that competes with the step's.
+
+Where the engine is given fewer threads than the process has cores, the cores are split too:
+the engine thread and its OpenMP workers run on the first `threads` cores, every other thread
+(the event loop, the post and gRPC threads, tokenizing) on the rest, so the serving work never
+preempts a compute thread in the middle of a parallel region (which holds up the whole region)
+and the step never takes the serving threads' core. With as many threads as cores nothing is
+pinned: the serving work has to share the compute cores anyway, and the scheduler places it.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from typing import Optional
 
 log = logging.getLogger("kiln.runtime")
 _ENV = "OMP_NUM_THREADS"
+_layout: Optional[tuple[list[int], list[int]]] = None   # (compute, serving) cores, if split
 
 
 def available_cores() -> int:
@@ -44,7 +52,46 @@ def claim_process(threads: Optional[int] = None) -> int:
         log.warning("torch was imported before the compute threads were laid out: threads "
                     "other than the engine's may run multi-threaded regions and slow its step")
     os.environ[_ENV] = "1"
+    _split_cores(n)
     return n
+
+
+def _split_cores(threads: int) -> None:
+    """With fewer compute threads than cores: this thread (and the threads it starts) on the
+    cores the engine does not get; enter_engine_thread moves the engine onto the others."""
+    global _layout
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):    # no affinity calls here (not Linux): nothing pinned
+        return
+    serving = serving_cores(threads)
+    if serving is None:
+        _layout = None
+        return
+    _layout = (cores[:threads], serving)
+    os.sched_setaffinity(0, _layout[1])    # pid 0: the calling thread only
+    log.info("compute cores %s, serving cores %s", *_layout)
+
+
+def serving_cores(threads: int) -> Optional[list[int]]:
+    """The cores a server given `threads` compute threads keeps for its serving threads (None
+    when it does not split them): where a benchmark's client on the same host belongs."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[threads:] if threads < len(cores) else None
+
+
+def pin_process(cores: list[int]) -> None:
+    """Every thread of this process (and the threads they start) on `cores`. Linux only."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except (ProcessLookupError, PermissionError):   # a thread that just ended
+            pass
+
+
+def core_layout() -> Optional[tuple[list[int], list[int]]]:
+    """(compute cores, serving cores) when claim_process split them, else None."""
+    return _layout
 
 
 def name_os_thread(name: str) -> None:
@@ -64,6 +111,8 @@ def enter_engine_thread(threads: Optional[int]) -> None:
     """On the engine thread, before its first step: its name in the OS and its OpenMP/ATen
     thread count."""
     name_os_thread("kiln-engine")
+    if _layout is not None:   # before its OpenMP workers exist: they inherit it
+        os.sched_setaffinity(0, _layout[0])
     if threads:
         import torch
 

@@ -184,3 +184,37 @@ def test_quant_kernels_match_references_at_every_level(level):
     want = {"none": "w8a8: scalar", "avx2": "w8a8: avx2", "avx512": "w8a8: avx2"}.get(
         level, "w8a8: avx512-vnni")
     assert want in path and want.replace("w8a8", "w4a8") in path, path
+
+
+ATTENTION = r"""
+import sys, torch
+from plugins import isa
+from plugins.cpp_build import kernel_path
+from plugins.paged_kv import kernels
+from tests.helpers import MIXED, check_paged_attention, make_batch
+lib = kernels.build(isa.LEVELS[sys.argv[1]])
+kernels.load(lib)
+print(kernel_path(lib))
+op = torch.ops.kiln.paged_attention
+seqs = [MIXED, [(300, 1)] * 3, [(40, 2), (17, 1)]]
+for cache in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+    for H, KVH, D, bs in [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 32, 16), (8, 2, 16, 8),
+                          (6, 2, 36, 8)]:
+        for i, s in enumerate(seqs):
+            tol = 1e-4 if cache == torch.float32 else 2e-3
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                check_paged_attention(op, make_batch(s, H, KVH, D, bs, cache_dtype=cache,
+                                                     seed=D + bs + i), tol, tol)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_paged_attention_matches_the_reference_at_every_level(level):
+    """Each level's attention kernel (at::vec width, the pool rows' conversions, the decode
+    blocks' register paths for head dims of 2, 4 and 8 vectors and the other dims' float rows)
+    gives the reference's output for every pool dtype; each in its own process."""
+    r = subprocess.run([sys.executable, "-c", ATTENTION, level], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // The code path these flags selected (read back by plugins/cpp_build.kernel_path): the
@@ -419,6 +420,191 @@ inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const
   pv_row(o, corr, sr, n, vrows, vstride, D);
 }
 
+// ---- Decode blocks: few rows, keys and values read from the pool as they are used ---------
+//
+// A decode step's work item has G rows (the query heads of one kv head) and no reuse of a
+// block's rows beyond them: converting each K/V row into float scratch and reading it back
+// cost more than the dot products. Here each K row is converted in registers once and
+// multiplied into every row's sums (the dot of four keys at a time reduced with one fold), a
+// quantized row's scale applied to its scores; each V row is converted once and added into
+// every row's output held in registers, its scale folded into the row's probabilities.
+
+// kVec values of a pool row as floats (quantized: the codes, not yet times the row's scale).
+template <typename cache_t>
+inline Vec load_vec(const cache_t* p) {
+  float tmp[kVec];
+  for (int64_t i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+}
+template <>
+inline Vec load_vec<float>(const float* p) { return Vec::loadu(p); }
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vec load_vec<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+inline Vec load_vec<fp8>(const fp8* p) {  // as load_row<fp8>: fields moved, times 2^120
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.329227995784916e36f));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec load_vec<int8_t>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <>
+inline Vec load_vec<fp8>(const fp8* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24),
+                                       _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.329227995784916e36f));
+}
+#endif
+
+template <typename cache_t>
+inline float pool_row_scale(const cache_t* row, int64_t D) {
+  if constexpr (kQuantized<cache_t>) return row_scale(row, D);
+  else return 1.f;
+}
+
+// out[0:4] = the four vectors' sums.
+inline void sum4(const Vec& s0, const Vec& s1, const Vec& s2, const Vec& s3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto fold = [](__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)),
+                                  _mm256_hadd_ps(fold(s2), fold(s3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  auto add = [](Vec& x, Vec& y) { return x + y; };
+  Vec a = s0, b = s1, c = s2, d = s3;
+  out[0] = at::vec::vec_reduce_all<float>(add, a);
+  out[1] = at::vec::vec_reduce_all<float>(add, b);
+  out[2] = at::vec::vec_reduce_all<float>(add, c);
+  out[3] = at::vec::vec_reduce_all<float>(add, d);
+#endif
+}
+
+// Rows r0..r0+NR of a work item against one block's ncols keys (NV = D / kVec). nvalid[i]:
+// the keys row r0+i may see (>= 1). Updates the rows' (m, l, O) like softmax_pv.
+template <int NR, int NV, typename cache_t>
+void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* nvalid,
+                  const cache_t* kb, const cache_t* vb, Scratch& w) {
+  const int64_t D = P.D, ldk = P.ldk, stride = P.cache_tok;
+  float* s = w.s + r0 * ldk;
+  float* vscale = w.kf;                   // the block's V row scales (scratch of K rows)
+  // scores: four keys at a time, each key's row converted once for all NR rows
+  for (int64_t c0 = 0; c0 < ncols; c0 += 4) {
+    Vec acc[NR][4];
+    float kscale[4];
+    for (int i = 0; i < 4; ++i) {
+      const cache_t* kr = kb + std::min(c0 + i, ncols - 1) * stride;  // past the end: discarded
+      kscale[i] = pool_row_scale(kr, D);
+      Vec kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = load_vec(kr + j * kVec);
+      for (int r = 0; r < NR; ++r) {
+        const float* q = w.qf + (r0 + r) * D;
+        Vec a = Vec::loadu(q) * kv[0];
+        for (int j = 1; j < NV; ++j) a = at::vec::fmadd(Vec::loadu(q + j * kVec), kv[j], a);
+        acc[r][i] = a;
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      float out[4];
+      sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
+      for (int i = 0; i < 4; ++i) s[r * ldk + c0 + i] = out[i] * kscale[i];
+    }
+  }
+  // online softmax per row; probabilities times the V row's scale, 0 past the row's keys
+  int64_t nmax = 0;
+  float corr[NR];
+  for (int64_t c = 0; c < ncols; ++c) vscale[c] = pool_row_scale(vb + c * stride, D);
+  for (int r = 0; r < NR; ++r) {
+    float* sr = s + r * ldk;
+    const int64_t n = nvalid[r];
+    nmax = std::max(nmax, n);
+    float& m = w.m[r0 + r];
+    float mx = m;
+    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
+    corr[r] = std::exp(m - mx);  // 0 on the first block this row sees (m = -inf)
+    const Vec vmx(mx);
+    Vec vsum(0.f);
+    int64_t c = 0;
+    for (; c + kVec <= n; c += kVec) {
+      const Vec e = (Vec::loadu(sr + c) - vmx).exp_u20();
+      vsum = vsum + e;
+      (e * Vec::loadu(vscale + c)).store(sr + c);
+    }
+    float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+    for (; c < n; ++c) {
+      const float e = std::exp(sr[c] - mx);
+      sum += e;
+      sr[c] = e * vscale[c];
+    }
+    for (c = n; c < ncols; ++c) sr[c] = 0.f;
+    m = mx;
+    w.l[r0 + r] = w.l[r0 + r] * corr[r] + sum;
+  }
+  // O = O * corr + sum_c p[c] * V[c]: each V row converted once for all NR rows
+  Vec o[NR][NV];
+  for (int r = 0; r < NR; ++r) {
+    const Vec vc(corr[r]);
+    for (int j = 0; j < NV; ++j) o[r][j] = Vec::loadu(w.of + (r0 + r) * D + j * kVec) * vc;
+  }
+  for (int64_t c = 0; c < nmax; ++c) {
+    const cache_t* vr = vb + c * stride;
+    Vec vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = load_vec(vr + j * kVec);
+    for (int r = 0; r < NR; ++r) {
+      const Vec pc(s[r * ldk + c]);
+      for (int j = 0; j < NV; ++j) o[r][j] = at::vec::fmadd(pc, vv[j], o[r][j]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < NV; ++j) o[r][j].store(w.of + (r0 + r) * D + j * kVec);
+}
+
+// decode_block for nr rows (1..4) and D = NV * kVec (NV 2, 4 or 8); false: not covered.
+template <typename cache_t>
+bool try_decode_block(const Problem& P, int64_t r0, int64_t nr, int64_t ncols,
+                      const int64_t* nvalid, const cache_t* kb, const cache_t* vb, Scratch& w) {
+  if (nr < 1 || nr > 4 || P.D % kVec != 0) return false;
+  const int64_t nv = P.D / kVec;
+  auto rows = [&](auto nv_tag) {
+    constexpr int NV = decltype(nv_tag)::value;
+    switch (nr) {
+      case 1: decode_block<1, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
+      case 2: decode_block<2, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
+      case 3: decode_block<3, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
+      default: decode_block<4, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
+    }
+  };
+  switch (nv) {
+    case 2: rows(std::integral_constant<int, 2>{}); return true;
+    case 4: rows(std::integral_constant<int, 4>{}); return true;
+    case 8: rows(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
 template <typename cache_t>
 inline void prefetch_rows(const cache_t* p, int64_t rows, int64_t stride, int64_t D) {
   for (int64_t c = 0; c < rows; ++c)
@@ -450,6 +636,12 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       prefetch_rows(kc + nxt, bs, P.cache_tok, P.row);
       prefetch_rows(vc + nxt, bs, P.cache_tok, P.row);
     }
+    // Rows of token j see positions <= pos0 + j: the first rows may see none of this block.
+    const int64_t r0 = std::max<int64_t>(0, start - g.pos0) * G;
+    int64_t nvalid[4];
+    for (int64_t r = r0; r < std::min(R, r0 + 4); ++r)
+      nvalid[r - r0] = std::min(ncols, g.pos0 + r / G - start + 1);
+    if (try_decode_block(P, r0, R - r0, ncols, nvalid, kb, vb, w)) continue;
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
     const float *krows = w.kf, *vrows = w.vf;
     int64_t kvstride = D;
@@ -463,8 +655,6 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
         load_row(vb + c * P.cache_tok, w.vf + c * D, D);
       }
     }
-    // Rows of token j see positions <= pos0 + j: the first rows may see none of this block.
-    const int64_t r0 = std::max<int64_t>(0, start - g.pos0) * G;
     block_scores(P, r0, R, ncols, krows, kvstride, w);
     for (int64_t r = r0; r < R; ++r) {
       const int64_t nvalid = std::min(ncols, g.pos0 + r / G - start + 1);

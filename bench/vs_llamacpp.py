@@ -18,7 +18,9 @@ Where the rest goes: the CPU each of the server's threads (by OS thread name, fr
 this client used over the single-stream run, per output token.
 
 Rounds alternate the two systems (llama.cpp, then Kiln, ...) so that drift in machine load
-hits both; the ratios printed are of the medians. Both use --threads threads.
+hits both; the ratios printed are of the medians. Both use --threads threads. With fewer
+threads than cores, `kiln serve` keeps its compute threads on their own cores
+(runtime/compute.py) and this client runs on the others during Kiln's round.
 """
 from __future__ import annotations
 
@@ -110,14 +112,18 @@ def own_cpu() -> float:
 
 
 def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
+    from runtime.compute import pin_process, serving_cores
     from runtime.server.loadgen import run_loadgen
 
     port, mport = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", plan, "--port",
                              str(port), "--metrics-port", str(mport), "--threads", str(threads)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    everywhere = sorted(os.sched_getaffinity(0))
     try:
         wait_serving(port, proc)
+        if serving_cores(threads) is not None:    # the client off the server's compute cores
+            pin_process(serving_cores(threads))
         url = f"127.0.0.1:{port}"
         quiet = lambda *a, **k: None   # noqa: E731
         server0, client0 = thread_cpu(proc.pid), own_cpu()
@@ -138,6 +144,7 @@ def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
                 "tg32_tok_s": many["levels"][0]["output_tokens_per_s"],
                 "tpot1_p50_ms": tpot["p50"] * 1000}
     finally:
+        pin_process(everywhere)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
 

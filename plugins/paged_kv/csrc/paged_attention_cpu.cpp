@@ -33,25 +33,18 @@
 #include <vector>
 
 // The code path these flags selected (read back by plugins/cpp_build.kernel_path): the
-// at::vec width, and whether pool rows are converted with AVX2 (any AVX2 or AVX-512 level).
+// at::vec width, which is also the width pool rows are converted at (load_vec).
 #if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
 #define KILN_PA_VEC "at::vec 512-bit"
 #elif defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
 #define KILN_PA_VEC "at::vec 256-bit"
 #else
 #define KILN_PA_VEC "scalar at::vec"
 #endif
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define KILN_PA_ROWS ", avx512 row conversion"
-#elif defined(__AVX2__)
-#include <immintrin.h>
-#define KILN_PA_ROWS ", avx2 row conversion"
-#else
-#define KILN_PA_ROWS ", scalar row conversion"
-#endif
 extern "C" __attribute__((used, visibility("default")))
-const char kiln_paged_attention_kernel_path[] = "KILN_KERNEL_PATH:" KILN_PA_VEC KILN_PA_ROWS;
+const char kiln_paged_attention_kernel_path[] = "KILN_KERNEL_PATH:" KILN_PA_VEC;
 
 namespace {
 
@@ -95,80 +88,89 @@ inline float row_scale(const void* codes, int64_t D) {
   return s;
 }
 
+// kVec values of a pool row as floats (quantized: the codes, not yet times the row's scale).
+template <typename cache_t>
+inline Vec load_vec(const cache_t* p) {
+  float tmp[kVec];
+  for (int64_t i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+}
+template <>
+inline Vec load_vec<float>(const float* p) { return Vec::loadu(p); }
+// bf16: the 16 bits become the high half of a float32. E4M3 (bias 7): sign, exponent and
+// mantissa moved into float32's fields, times 2^120 (exact, subnormals included; codes never
+// hold NaN: writes saturate).
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vec load_vec<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+inline Vec load_vec<fp8>(const fp8* p) {  // E4M3 fields moved into float32's, times 2^120
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
+                                       _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
+  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.329227995784916e36f));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vec load_vec<int8_t>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <>
+inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <>
+inline Vec load_vec<fp8>(const fp8* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24),
+                                       _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.329227995784916e36f));
+}
+#endif
+
+template <typename cache_t>
+inline float pool_row_scale(const cache_t* row, int64_t D) {
+  if constexpr (kQuantized<cache_t>) return row_scale(row, D);
+  else return 1.f;
+}
+
+// out[0:4] = the four vectors' sums.
+inline void sum4(const Vec& s0, const Vec& s1, const Vec& s2, const Vec& s3, float* out) {
+#if defined(CPU_CAPABILITY_AVX512)
+  auto fold = [](__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)),
+                                  _mm256_hadd_ps(fold(s2), fold(s3)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  auto add = [](Vec& x, Vec& y) { return x + y; };
+  Vec a = s0, b = s1, c = s2, d = s3;
+  out[0] = at::vec::vec_reduce_all<float>(add, a);
+  out[1] = at::vec::vec_reduce_all<float>(add, b);
+  out[2] = at::vec::vec_reduce_all<float>(add, c);
+  out[3] = at::vec::vec_reduce_all<float>(add, d);
+#endif
+}
+
 // One pool row (D values; quantized: D codes + scale) as D floats.
 template <typename cache_t>
 inline void load_row(const cache_t* src, float* dst, int64_t D) {
-  to_float(src, dst, D);
-}
-
-// bf16 -> float by bits: the 16 bits become the high half of a float32.
-template <>
-inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
+  const float s = pool_row_scale(src, D);
   int64_t d = 0;
-#if defined(__AVX512F__)
-  for (; d + 16 <= D; d += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
-    _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
-#endif
-#if defined(__AVX2__)
-  for (; d + 8 <= D; d += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-    _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
-#endif
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-template <>
-inline void load_row<int8_t>(const int8_t* src, float* dst, int64_t D) {
-  const float s = row_scale(src, D);
-  int64_t d = 0;
-#if defined(__AVX512F__)
-  const __m512 ws = _mm512_set1_ps(s);
-  for (; d + 16 <= D; d += 16) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
-    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), ws));
-  }
-#endif
-#if defined(__AVX2__)
-  const __m256 vs = _mm256_set1_ps(s);
-  for (; d + 8 <= D; d += 8) {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), vs));
-  }
-#endif
-  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
-}
-
-// E4M3 (bias 7) -> float by moving sign, exponent and mantissa into float32's fields and
-// scaling by 2^120 (exact, subnormals included; codes never hold NaN: writes saturate).
-template <>
-inline void load_row<fp8>(const fp8* src, float* dst, int64_t D) {
-  const float s = row_scale(src, D);
-  const uint8_t* b = reinterpret_cast<const uint8_t*>(src);
-  constexpr float k2p120 = 1.329227995784916e36f;  // 2^120
-  int64_t d = 0;
-#if defined(__AVX512F__)
-  const __m512 ws = _mm512_set1_ps(s), wp = _mm512_set1_ps(k2p120);
-  const __m512i wsign = _mm512_set1_epi32(0x80), wmag = _mm512_set1_epi32(0x7F);
-  for (; d + 16 <= D; d += 16) {
-    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + d)));
-    const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, wsign), 24),
-                                         _mm512_slli_epi32(_mm512_and_si512(x, wmag), 20));
-    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_mul_ps(_mm512_castsi512_ps(bits), wp), ws));
-  }
-#endif
-#if defined(__AVX2__)
-  const __m256 vs = _mm256_set1_ps(s), vp = _mm256_set1_ps(k2p120);
-  const __m256i sign = _mm256_set1_epi32(0x80), mag = _mm256_set1_epi32(0x7F);
-  for (; d + 8 <= D; d += 8) {
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + d)));
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, sign), 24),
-                                         _mm256_slli_epi32(_mm256_and_si256(x, mag), 20));
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(bits), vp), vs));
-  }
-#endif
+  for (; d + kVec <= D; d += kVec) (load_vec(src + d) * Vec(s)).store(dst + d);
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
 }
 
@@ -259,25 +261,7 @@ inline void dot4(const float* a, const float* b0, const float* b1, const float* 
     s2 = at::vec::fmadd(x, Vec::loadu(b2 + d), s2);
     s3 = at::vec::fmadd(x, Vec::loadu(b3 + d), s3);
   }
-#if defined(CPU_CAPABILITY_AVX512)
-  // fold each 512-bit sum to 256 bits, then the AVX2 reduction below
-  auto fold = [](__m512 x) {
-    return _mm256_add_ps(_mm512_castps512_ps256(x),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  };
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)),
-                                  _mm256_hadd_ps(fold(s2), fold(s3)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-#else
-  auto add = [](Vec& x, Vec& y) { return x + y; };
-  out[0] = at::vec::vec_reduce_all<float>(add, s0);
-  out[1] = at::vec::vec_reduce_all<float>(add, s1);
-  out[2] = at::vec::vec_reduce_all<float>(add, s2);
-  out[3] = at::vec::vec_reduce_all<float>(add, s3);
-#endif
+  sum4(s0, s1, s2, s3, out);
   for (; d < n; ++d) {
     out[0] += a[d] * b0[d];
     out[1] += a[d] * b1[d];
@@ -429,79 +413,6 @@ inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const
 // quantized row's scale applied to its scores; each V row is converted once and added into
 // every row's output held in registers, its scale folded into the row's probabilities.
 
-// kVec values of a pool row as floats (quantized: the codes, not yet times the row's scale).
-template <typename cache_t>
-inline Vec load_vec(const cache_t* p) {
-  float tmp[kVec];
-  for (int64_t i = 0; i < kVec; ++i) tmp[i] = static_cast<float>(p[i]);
-  return Vec::loadu(tmp);
-}
-template <>
-inline Vec load_vec<float>(const float* p) { return Vec::loadu(p); }
-#if defined(CPU_CAPABILITY_AVX512)
-template <>
-inline Vec load_vec<int8_t>(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-template <>
-inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <>
-inline Vec load_vec<fp8>(const fp8* p) {  // as load_row<fp8>: fields moved, times 2^120
-  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512i bits = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24),
-                                       _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x7F)), 20));
-  return _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.329227995784916e36f));
-}
-#elif defined(CPU_CAPABILITY_AVX2)
-template <>
-inline Vec load_vec<int8_t>(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-template <>
-inline Vec load_vec<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-template <>
-inline Vec load_vec<fp8>(const fp8* p) {
-  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24),
-                                       _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7F)), 20));
-  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(1.329227995784916e36f));
-}
-#endif
-
-template <typename cache_t>
-inline float pool_row_scale(const cache_t* row, int64_t D) {
-  if constexpr (kQuantized<cache_t>) return row_scale(row, D);
-  else return 1.f;
-}
-
-// out[0:4] = the four vectors' sums.
-inline void sum4(const Vec& s0, const Vec& s1, const Vec& s2, const Vec& s3, float* out) {
-#if defined(CPU_CAPABILITY_AVX512)
-  auto fold = [](__m512 x) {
-    return _mm256_add_ps(_mm512_castps512_ps256(x),
-                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  };
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(s0), fold(s1)),
-                                  _mm256_hadd_ps(fold(s2), fold(s3)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-#else
-  auto add = [](Vec& x, Vec& y) { return x + y; };
-  Vec a = s0, b = s1, c = s2, d = s3;
-  out[0] = at::vec::vec_reduce_all<float>(add, a);
-  out[1] = at::vec::vec_reduce_all<float>(add, b);
-  out[2] = at::vec::vec_reduce_all<float>(add, c);
-  out[3] = at::vec::vec_reduce_all<float>(add, d);
-#endif
-}
 
 // Rows r0..r0+NR of a work item against one block's ncols keys (NV = D / kVec). nvalid[i]:
 // the keys row r0+i may see (>= 1). Updates the rows' (m, l, O) like softmax_pv.

@@ -1,6 +1,7 @@
 """Kiln vs llama.cpp on the same GGUF, side by side in one run (README "Kiln vs llama.cpp").
 
     python bench/vs_llamacpp.py [--plan plans/smollm2-135m-throughput-cpu] [--threads 2]
+        [--llamacpp-batched-bin DIR]
         [--rounds 3] [--json bench_results/vs_llamacpp.json] [--llamacpp-bin DIR]
 
 llama.cpp's own tools on SmolLM2's Q4_1 GGUF (built from the llama-cpp-python sdist by
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,19 +65,41 @@ def ensure_llamacpp(bin_dir: Path) -> Path:
     return bin_dir
 
 
-def llamacpp_round(bin_dir: Path, gguf: Path, threads: int, ntg: int) -> dict:
+def llamacpp_round(bin_dir: Path, gguf: Path, threads: int, ntg: int,
+                   batched_dir: Optional[Path] = None) -> dict:
     t = str(threads)
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", t, "-p", "0",
-                          "-n", str(ntg), "-r", "1", "-o", "json"],
-                         check=True, capture_output=True, text=True).stdout
+    out = _llamacpp([str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", t, "-p", "0",
+                     "-n", str(ntg), "-r", "1", "-o", "json"])
     tg = json.loads(out)[0]["avg_ts"]
-    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", str(gguf), "-t", t,
-                          "-tb", t, "-c", str(32 * 512), "-b", "2048", "-ub", "512",
-                          "-npp", "37", "-ntg", str(ntg), "-npl", "32",
-                          "--output-format", "jsonl"],
-                         check=True, capture_output=True, text=True).stdout
+    out = _llamacpp([str((batched_dir or bin_dir) / "llama-batched-bench"), "-m", str(gguf),
+                     "-t", t, "-tb", t, "-c", str(32 * 512), "-b", "2048", "-ub", "512",
+                     "-npp", "37", "-ntg", str(ntg), "-npl", "32", "--output-format", "jsonl"])
     rows = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{")]
     return {"tg1_tok_s": tg, "tg32_tok_s": rows[0]["speed_tg"]}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _llamacpp(cmd: list[str]) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode < 0 and r.returncode in (-signal.SIGSEGV, -signal.SIGILL):
+        raise SystemExit(
+            f"{Path(cmd[0]).name} died of {signal.Signals(-r.returncode).name}. On CPUs with AMX, "
+            "llama.cpp's native build runs its batched matmuls on AMX tiles, which crashed on a "
+            "host where AMX itself works (ggml_backend_amx_mul_mat at ldtilecfg, llama-cpp-python "
+            "0.3.36): build a copy with -mno-amx-tile -mno-amx-int8 -mno-amx-bf16 in "
+            "CMAKE_C_FLAGS/CMAKE_CXX_FLAGS and pass its bin/ as --llamacpp-batched-bin.")
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr[-2000:]}")
+    return r.stdout
 
 
 def step_ms(plan: str, threads: int, context: int = 128, reps: int = 50) -> float:
@@ -157,13 +181,17 @@ def main() -> None:
     ap.add_argument("--ntg", type=int, default=128)
     ap.add_argument("--requests32", type=int, default=64)
     ap.add_argument("--llamacpp-bin", default="/tmp/llamacpp/llama-build/bin")
+    ap.add_argument("--llamacpp-batched-bin", default=None,
+                    help="llama-batched-bench from another build (default: --llamacpp-bin's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     gguf = gguf_path()
     bin_dir = ensure_llamacpp(Path(args.llamacpp_bin))
     rounds = {"llama.cpp": [], "kiln": []}
     for i in range(args.rounds):
-        rounds["llama.cpp"].append(llamacpp_round(bin_dir, gguf, args.threads, args.ntg))
+        rounds["llama.cpp"].append(llamacpp_round(
+            bin_dir, gguf, args.threads, args.ntg,
+            Path(args.llamacpp_batched_bin) if args.llamacpp_batched_bin else None))
         rounds["kiln"].append(kiln_round(args.plan, args.threads, args.ntg, args.requests32))
         rounds["kiln"][-1]["step_ms"] = step_ms(args.plan, args.threads)
         print(f"round {i + 1}: " + json.dumps(rounds), flush=True)
@@ -178,9 +206,11 @@ def main() -> None:
     from plugins.isa import cpu_flags, host_level
 
     report = {"date": time.strftime("%Y-%m-%d"), "plan": args.plan, "gguf": gguf.name,
+              "llamacpp_bin": args.llamacpp_bin,
+              "llamacpp_batched_bin": args.llamacpp_batched_bin or args.llamacpp_bin,
               "threads": args.threads, "rounds": rounds, "median": med, "ratio": ratios,
               "tg1_cpu_ms_per_token_median": cpu,
-              "cpu": platform.processor() or platform.machine(),
+              "cpu": _cpu_model() or platform.processor() or platform.machine(),
               "host_isa": host_level(cpu_flags()).name}
     print(f"{'':12} {'llama.cpp':>10} {'kiln':>10} {'ratio':>7}")
     for key, label in (("tg1_tok_s", "1 stream"), ("tg1_e2e_tok_s", "1 stream e2e"),

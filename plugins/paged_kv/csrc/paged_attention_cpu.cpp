@@ -25,6 +25,8 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "../../csrc/parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -334,12 +336,14 @@ struct Problem {
 
 // Per-thread scratch of a work item (floats): Q tile, O tile, running max and sum, scores,
 // K^T, and the current block's K and V rows converted from bf16.
+// The floats live in a per-thread buffer that only grows (no allocation per work item).
 struct Scratch {
-  std::vector<float> buf;
   float *qf, *of, *m, *l, *s, *kt, *kf, *vf;
   explicit Scratch(const Problem& P) {
     const int64_t R = P.max_rows, D = P.D;
-    buf.resize(2 * R * D + 2 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D);
+    thread_local std::vector<float> buf;
+    const size_t need = 2 * R * D + 2 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D;
+    if (buf.size() < need) buf.resize(need);
     qf = buf.data();
     of = qf + R * D;
     m = of + R * D;
@@ -645,8 +649,10 @@ void run(const Problem& P, const at::Tensor& q, const at::Tensor& k, const at::T
   scalar_t* op = out.data_ptr<scalar_t>();
   const int64_t D = P.D;
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch w(P);  // one per thread's chunk of items
+  // one item at a time: items differ in length, and a preempted thread's items go to the
+  // others (plugins/csrc/parallel.h)
+  kiln::parallel_chunks(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch w(P);
     for (int64_t i = begin; i < end; ++i)
       attend_item<scalar_t, cache_t>(P, groups[items[i].group], items[i].part, qp, kc, vc, bt,
                                      op, ws, w);

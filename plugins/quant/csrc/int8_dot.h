@@ -18,6 +18,8 @@
 
 #include <ATen/Parallel.h>
 
+#include "../../csrc/parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -272,8 +274,10 @@ void dot_blocks(const QuantX& x, const int8_t* wq, int64_t N, Epi epi) {
   const int64_t K = x.K, R = x.rows;
   const int64_t nblocks = (N + kNB - 1) / kNB;
   const int64_t last = N * K - 1;   // prefetches stop at the weights' last byte
-  at::parallel_for(0, nblocks, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)),
-                   [&](int64_t b0, int64_t b1) {
+  // chunks of ~64 KiB of weights (at least 4 a thread): a preempted thread's chunks go to
+  // the others (plugins/csrc/parallel.h)
+  const int64_t chunk = kiln::chunk_items(nblocks, kNB * K * ((R + kMB - 1) / kMB), 64 << 10);
+  kiln::parallel_chunks(nblocks, chunk, [&](int64_t b0, int64_t b1) {
     std::vector<int32_t> acc(R * kNB);
     int32_t t[kMB][kNB];
     for (int64_t nb = b0; nb < b1; ++nb) {

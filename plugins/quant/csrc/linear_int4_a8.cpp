@@ -35,6 +35,8 @@
 #endif
 #include <torch/library.h>
 
+#include "../../csrc/parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -415,10 +417,11 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()),
                  bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), K, G, N};
     constexpr int MR = kMR<ND>;
-    // ~64 KiB of packed weights per task at one row of x; fewer at many rows.
-    const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(G, 1) /
-                                                   std::max<int64_t>(1, (M + MR - 1) / MR));
-    at::parallel_for(0, N / kRows, grain, [&](int64_t b0, int64_t b1) {
+    // chunks of ~16 KiB of packed weights at one row of x (fewer blocks at many rows), at
+    // least 4 a thread: a preempted thread's chunks go to the others (plugins/csrc/parallel.h)
+    const int64_t block_bytes = kRows * (K / 2 + 4 * G) * ((M + MR - 1) / MR);
+    const int64_t chunk = kiln::chunk_items(N / kRows, block_bytes, 16 << 10);
+    kiln::parallel_chunks(N / kRows, chunk, [&](int64_t b0, int64_t b1) {
       for (int64_t rb = b0; rb < b1; ++rb)
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
           switch (std::min<int64_t>(MR, M - m0)) {   // cases above MR never run: <1, ND>

@@ -253,3 +253,19 @@ def test_int4_a8_activation_groups_of_zeros_ties_and_extremes(op):
     assert torch.isfinite(out).all()
     err = (out - ref).abs().amax(dim=1)
     assert (err <= 2e-5 * ref.abs().amax(dim=1)).all(), err / ref.abs().amax(dim=1)
+
+
+@pytest.mark.parametrize("k,n", [(1, 19), (5, 3), (12, 1), (64, 7), (576, 960)])
+def test_int8_and_w8a8_at_many_rows_on_any_shape(k, n):
+    """From 4 (W8A8) or 8 (int8) rows of x the int8 kernels go through oneDNN's _int_mm: the
+    same results as the references on every shape, tiny K and N included (a [19, 1] weight's
+    transpose once gave garbage there, with no error)."""
+    g = torch.Generator().manual_seed(k * 1000 + n)
+    x, w = torch.randn(17, k, generator=g), torch.randn(n, k, generator=g)
+    q = formats.quantize(w, "int8")
+    ref = ops.linear_int8_a8_reference(x, q.qweight, q.scales, None)
+    out = ops.quant_linear(x, q, None, activations="int8")
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max().clamp_min(1e-6)
+    ref = x @ (q.qweight.float() * q.scales[:, None]).t()
+    out = ops.quant_linear(x, q, None)
+    assert (out - ref).abs().max() <= 2e-5 * ref.abs().max().clamp_min(1e-6)

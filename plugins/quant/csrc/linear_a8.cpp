@@ -60,7 +60,8 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
 
-  if (M >= kIntMmMinM) {
+  if (M >= kIntMmMinM && K >= 8 && N >= 8) {   // a [N, 1] or [1, K] weight's transpose has
+                                               // strides oneDNN misreads (garbage, no error)
     const at::Tensor acc = at::_int_mm(at::from_blob(qx.q.data(), {M, K}, at::kChar), qweight.t());
     const int32_t* a = acc.data_ptr<int32_t>();
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {

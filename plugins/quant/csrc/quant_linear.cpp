@@ -355,64 +355,44 @@ void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op
 constexpr int kXDigits = 3;
 constexpr int64_t kInt8DigitsMaxM = 2;
 
-at::Tensor int8_digits_gemv(const at::Tensor& x, const at::Tensor& qweight,
-                            const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
-                            const char* op) {
+// From kTileMinM rows of x (prefill, big batches) the same digits go as int8 rows [3M, K]
+// through ATen's _int_mm (oneDNN's s8 GEMM, VNNI or AMX micro-kernels as the machine has
+// them): the same integers, no weight decoded to float. The dequantize-tile path it replaces
+// ran 1.25-1.9x slower than fp32's own sgemm at 32 rows on an AVX-512/AMX Xeon (SmolLM2's
+// shapes, weights in cache), so the int8 plan's batch-32 step was slower than the fp32 plan's.
+at::Tensor int8_digits(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& bias, const char* op) {
   const int64_t N = qweight.size(0), K = qweight.size(1);
   Prepared p = prepare(x, N, K, bias, op);
   const int64_t M = p.x.size(0);
   if (M == 0 || N == 0) return p.result(x);
   kiln_int8::QuantX qx = kiln_int8::quantize_digits(p.x.data_ptr<float>(), M, K, kXDigits);
-  qx.finish();
   const float* sw = scales.data_ptr<float>();
   const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* y = p.out.data_ptr<float>();
-  kiln_int8::dot_blocks(qx, qweight.data_ptr<int8_t>(), N,
-                        [&](int64_t n0, int64_t nr, const int32_t* acc) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t j = 0; j < nr; ++j) {
-        float v = 0.f;
-        for (int l = 0; l < kXDigits; ++l) {
-          const int64_t row = m * kXDigits + l;
-          v += float(acc[row * kiln_int8::kNB + j]) * qx.s[row];
-        }
-        y[m * N + n0 + j] = v * sw[n0 + j] + (b ? b[n0 + j] : 0.f);
-      }
-  });
-  return p.result(x);
-}
-
-// From kTileMinM rows of x (prefill, big batches): the same three digits of x as int8 rows
-// [3M, K] against the int8 weights through ATen's _int_mm (oneDNN's s8 GEMM, VNNI or AMX
-// micro-kernels as the machine has them), combined per row as above: the same integers as the
-// digits GEMV, no weight decoded to float. The dequantize-tile path it replaces ran 1.25-1.9x
-// slower than fp32's own sgemm at 32 rows on an AVX-512/AMX Xeon (SmolLM2's shapes, weights
-// in cache), so the int8 plan's batch-32 step was slower than the fp32 plan's.
-at::Tensor int8_digits_int_mm(const at::Tensor& x, const at::Tensor& qweight,
-                              const at::Tensor& scales, const c10::optional<at::Tensor>& bias,
-                              const char* op) {
-  const int64_t N = qweight.size(0), K = qweight.size(1);
-  Prepared p = prepare(x, N, K, bias, op);
-  const int64_t M = p.x.size(0);
-  if (M == 0 || N == 0) return p.result(x);
-  kiln_int8::QuantX qx = kiln_int8::quantize_digits(p.x.data_ptr<float>(), M, K, kXDigits);
-  const at::Tensor acc =
-      at::_int_mm(at::from_blob(qx.q.data(), {M * kXDigits, K}, at::kChar), qweight.t());
-  const int32_t* a = acc.data_ptr<int32_t>();
-  const float* sw = scales.data_ptr<float>();
-  const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
-  float* y = p.out.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        float v = 0.f;
-        for (int l = 0; l < kXDigits; ++l) {
-          const int64_t row = m * kXDigits + l;
-          v += float(a[row * N + n]) * qx.s[row];
-        }
-        y[m * N + n] = v * sw[n] + (b ? b[n] : 0.f);
-      }
-  });
+  // y[m, n] from the integer sums of row m's digits with weight row n (acc[l * stride])
+  auto combine = [&](int64_t m, int64_t n, const int32_t* acc, int64_t stride) {
+    float v = 0.f;
+    for (int l = 0; l < kXDigits; ++l) v += float(acc[l * stride]) * qx.s[m * kXDigits + l];
+    y[m * N + n] = v * sw[n] + (b ? b[n] : 0.f);
+  };
+  if (M <= kInt8DigitsMaxM) {
+    qx.finish();
+    kiln_int8::dot_blocks(qx, qweight.data_ptr<int8_t>(), N,
+                          [&](int64_t n0, int64_t nr, const int32_t* acc) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nr; ++j)
+          combine(m, n0 + j, acc + m * kXDigits * kiln_int8::kNB + j, kiln_int8::kNB);
+    });
+  } else {
+    const at::Tensor acc =
+        at::_int_mm(at::from_blob(qx.q.data(), {M * kXDigits, K}, at::kChar), qweight.t());
+    const int32_t* a = acc.data_ptr<int32_t>();
+    at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t n = 0; n < N; ++n) combine(m, n, a + m * kXDigits * N + n, N);
+    });
+  }
   return p.result(x);
 }
 
@@ -426,11 +406,11 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& qweight, const at:
   const int64_t N = qweight.size(0), K = qweight.size(1);
   check_rows(scales, N, "scales", op);
 #if KILN_INT8_DOT_VNNI
-  if (x.dim() == 2 && x.size(0) <= kInt8DigitsMaxM && K < 66000)
-    return int8_digits_gemv(x, qweight, scales, bias, op);
-  if (x.dim() == 2 && x.size(0) >= kTileMinM && K < 66000 && K >= 8 && N >= 8)
-    return int8_digits_int_mm(x, qweight, scales, bias, op);   // (tiny K or N: strides of
-                                                              // qweight.t() oneDNN misreads)
+  // (_int_mm from kTileMinM rows, not for a weight under 8 rows or columns: oneDNN misreads
+  // the strides of its transpose)
+  if (x.dim() == 2 && K < 66000 &&
+      (x.size(0) <= kInt8DigitsMaxM || (x.size(0) >= kTileMinM && K >= 8 && N >= 8)))
+    return int8_digits(x, qweight, scales, bias, op);
 #endif
   Int8Dec d{qweight.data_ptr<int8_t>(), K, scales.data_ptr<float>()};
   return run(d, x, N, K, bias, op);

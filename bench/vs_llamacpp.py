@@ -146,8 +146,9 @@ def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
     everywhere = sorted(os.sched_getaffinity(0))
     try:
         wait_serving(port, proc)
-        if serving_cores(threads) is not None:    # the client off the server's compute cores
-            pin_process(serving_cores(threads))
+        client_cores = serving_cores(threads)
+        if client_cores is not None:              # the client off the server's compute cores
+            pin_process(client_cores)
         url = f"127.0.0.1:{port}"
         quiet = lambda *a, **k: None   # noqa: E731
         server0, client0 = thread_cpu(proc.pid), own_cpu()

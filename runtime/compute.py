@@ -61,14 +61,13 @@ def _split_cores(threads: int) -> None:
     cores the engine does not get; enter_engine_thread moves the engine onto the others."""
     global _layout
     try:
-        cores = sorted(os.sched_getaffinity(0))
+        serving = serving_cores(threads)
     except (AttributeError, OSError):    # no affinity calls here (not Linux): nothing pinned
         return
-    serving = serving_cores(threads)
     if serving is None:
         _layout = None
         return
-    _layout = (cores[:threads], serving)
+    _layout = (sorted(os.sched_getaffinity(0))[:threads], serving)
     os.sched_setaffinity(0, _layout[1])    # pid 0: the calling thread only
     log.info("compute cores %s, serving cores %s", *_layout)
 

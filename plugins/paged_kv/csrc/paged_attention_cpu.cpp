@@ -383,10 +383,10 @@ inline void block_scores(const Problem& P, int64_t r0, int64_t R, int64_t ncols,
       w.s[r * ldk + c] = dot(w.qf + r * D, krows + c * kvstride, D);
 }
 
-// Online softmax step of one row over n scores sr (overwritten with exp(s - max)):
-// rescale (o, l) to the new running max m, then o += p . V.
-inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const float* vrows,
-                       int64_t vstride, int64_t D) {
+// Online softmax step of one row over n scores sr: rescale (m, l) to the new running max and
+// overwrite sr[c] with exp(s - max), times mul[c] when given (the sum adds the plain exps);
+// returns the factor the row's earlier output is to be rescaled by.
+inline float softmax_step(float* sr, int64_t n, float& m, float& l, const float* mul = nullptr) {
   float mx = m;
   for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
   const float corr = std::exp(m - mx);  // 0 on the first block this row sees (m = -inf)
@@ -395,16 +395,24 @@ inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const
   int64_t c = 0;
   for (; c + kVec <= n; c += kVec) {
     const Vec e = (Vec::loadu(sr + c) - vmx).exp_u20();
-    e.store(sr + c);
     vsum = vsum + e;
+    (mul ? e * Vec::loadu(mul + c) : e).store(sr + c);
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
   for (; c < n; ++c) {
-    sr[c] = std::exp(sr[c] - mx);
-    sum += sr[c];
+    const float e = std::exp(sr[c] - mx);
+    sum += e;
+    sr[c] = mul ? e * mul[c] : e;
   }
   m = mx;
   l = l * corr + sum;
+  return corr;
+}
+
+// Online softmax step of one row (softmax_step), then o += p . V.
+inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const float* vrows,
+                       int64_t vstride, int64_t D) {
+  const float corr = softmax_step(sr, n, m, l);
   pv_row(o, corr, sr, n, vrows, vstride, D);
 }
 
@@ -456,27 +464,8 @@ void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* nv
     float* sr = s + r * ldk;
     const int64_t n = nvalid[r];
     nmax = std::max(nmax, n);
-    float& m = w.m[r0 + r];
-    float mx = m;
-    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
-    corr[r] = std::exp(m - mx);  // 0 on the first block this row sees (m = -inf)
-    const Vec vmx(mx);
-    Vec vsum(0.f);
-    int64_t c = 0;
-    for (; c + kVec <= n; c += kVec) {
-      const Vec e = (Vec::loadu(sr + c) - vmx).exp_u20();
-      vsum = vsum + e;
-      (e * Vec::loadu(vscale + c)).store(sr + c);
-    }
-    float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-    for (; c < n; ++c) {
-      const float e = std::exp(sr[c] - mx);
-      sum += e;
-      sr[c] = e * vscale[c];
-    }
-    for (c = n; c < ncols; ++c) sr[c] = 0.f;
-    m = mx;
-    w.l[r0 + r] = w.l[r0 + r] * corr[r] + sum;
+    corr[r] = softmax_step(sr, n, w.m[r0 + r], w.l[r0 + r], vscale);
+    for (int64_t c = n; c < ncols; ++c) sr[c] = 0.f;
   }
   // O = O * corr + sum_c p[c] * V[c]: each V row converted once for all NR rows
   Vec o[NR][NV];

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 
 #include "../../csrc/parallel.h"
+#include "../../csrc/prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +48,7 @@ constexpr int64_t kMB = 4;   // rows of x per tile
 // read 4 interleaved streams the hardware prefetchers follow late. Measured on a Zen 4 pair
 // (bench/linear_kernels.py, 30 w13-sized matrices, one row of x, W8A8): 29 GB/s without,
 // 46-64 GB/s from 4 to 16 KiB ahead, less again at 32 KiB.
-constexpr int64_t kPrefetch = 12288;
+constexpr int64_t kPrefetch = 12288;   // (and kiln::prefetch_far: plugins/csrc/prefetch.h)
 
 // x as rows of int8 codes with one scale each, and what the tile kernels read besides.
 struct QuantX {
@@ -188,8 +189,9 @@ inline void tile_vnni(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
   for (int64_t k = 0; k < K64; k += 64) {
     __m512i w[kNB];
     for (int j = 0; j < kNB; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(wq + std::min((n0 + j) * K + k + kPrefetch, last)),
-                   _MM_HINT_T0);
+      const int64_t at = (n0 + j) * K + k;
+      _mm_prefetch(reinterpret_cast<const char*>(wq + std::min(at + kPrefetch, last)), _MM_HINT_T0);
+      kiln::prefetch_far(wq + at);
       w[j] = _mm512_xor_si512(_mm512_loadu_si512(wq + (n0 + j) * K + k), flip);
     }
     for (int r = 0; r < MR; ++r) {
@@ -197,13 +199,16 @@ inline void tile_vnni(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
       for (int j = 0; j < kNB; ++j) a[r][j] = _mm512_dpbusd_epi32(a[r][j], w[j], xv);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(16) int32_t s[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(s), hsum4x512(a[r][0], a[r][1], a[r][2], a[r][3]));
+  // (every loop over the accumulators unrolled, so they stay in registers: with one loop
+  // left rolled GCC kept the array in memory and stored all of it on every step of k)
+  alignas(16) int32_t s[MR][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r)
+    _mm_store_si128(reinterpret_cast<__m128i*>(s[r]), hsum4x512(a[r][0], a[r][1], a[r][2], a[r][3]));
+  for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kNB; ++j)
-      acc[r][j] = s[j] - 128 * x.sum[m0 + r] +
+      acc[r][j] = s[r][j] - 128 * x.sum[m0 + r] +
                   dot_scalar(x.q.data() + (m0 + r) * K, wq + (n0 + j) * K, K64, K);
-  }
 }
 #endif
 
@@ -229,9 +234,12 @@ inline void tile_avx2(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
     for (int64_t k = 0; k < K32; k += 32) {
       __m256i w[kNB];
       for (int j = 0; j < kNB; ++j) {
-        if (k % 64 == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(wq + std::min((n0 + j) * K + k + kPrefetch,
-                                                                   last)), _MM_HINT_T0);
+        if (k % 64 == 0) {
+          const int64_t at = (n0 + j) * K + k;
+          _mm_prefetch(reinterpret_cast<const char*>(wq + std::min(at + kPrefetch, last)),
+                       _MM_HINT_T0);
+          kiln::prefetch_far(wq + at);
+        }
         w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (n0 + j) * K + k));
       }
       for (int r = 0; r < rr; ++r) {

@@ -26,7 +26,7 @@
 //   otherwise: scalar loops (same integers, same float arithmetic per group).
 // Parallel over blocks of 16 weight rows; each block's packed weights (K/32 * 256 bytes)
 // stay in L1 while every tile of x rows passes over them, and the weights 16 groups ahead
-// are prefetched (kPrefetchGroups).
+// are prefetched (kPrefetchGroups), and 64 KiB ahead into L2 (plugins/csrc/prefetch.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -36,6 +36,7 @@
 #include <torch/library.h>
 
 #include "../../csrc/parallel.h"
+#include "../../csrc/prefetch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -249,6 +250,7 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
     const char* pf = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wb) +
                                                    (g + kPrefetchGroups) * kChunk);
     for (int c = 0; c < 4; ++c) _mm_prefetch(pf + 64 * c, _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) kiln::prefetch_far(wb + g * kChunk + 64 * c);
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_loadu_si512(wb + g * kChunk + 64 * c);
       const __m512i lo = _mm512_and_si512(v, mask);
@@ -298,6 +300,7 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
     const char* pf = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(wb) +
                                                    (g + kPrefetchGroups) * kChunk);
     for (int c = 0; c < 4; ++c) _mm_prefetch(pf + 64 * c, _MM_HINT_T0);
+    for (int c = 0; c < 4; ++c) kiln::prefetch_far(wb + g * kChunk + 64 * c);
     for (int c = 0; c < 4; ++c) {
       __m256i x0[MR][ND], x1[MR][ND];
       for (int r = 0; r < MR; ++r)

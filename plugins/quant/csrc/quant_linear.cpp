@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../../csrc/prefetch.h"
 #include "int8_dot.h"   // before the path macros below: they read KILN_INT8_DOT_VNNI
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -61,6 +62,8 @@ inline float hsum(__m256 v) {
 struct Int8Dec {
   const int8_t* q;
   int64_t K;
+  static constexpr int64_t kBlockBytes = kBlock;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
   float row_scale(int64_t n) const { return scales[n]; }
   const float* scales;
   float tail(int64_t n, int64_t k) const { return float(q[n * K + k]); }
@@ -83,6 +86,8 @@ struct Int8Dec {
 struct Fp8Dec {
   const uint8_t* q;
   int64_t K;
+  static constexpr int64_t kBlockBytes = kBlock;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
   const float* scales;
   float row_scale(int64_t n) const { return scales[n] * 256.0f; }
   float tail(int64_t n, int64_t k) const {
@@ -109,6 +114,8 @@ struct Fp8Dec {
 struct Bf16Dec {
   const uint16_t* q;
   int64_t K;
+  static constexpr int64_t kBlockBytes = 2 * kBlock;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
   float row_scale(int64_t) const { return 1.0f; }
   float tail(int64_t n, int64_t k) const {
     return float(c10::BFloat16(q[n * K + k], c10::BFloat16::from_bits()));
@@ -131,6 +138,8 @@ struct Bf16Dec {
 struct F32Dec {
   const float* q;
   int64_t K;
+  static constexpr int64_t kBlockBytes = 4 * kBlock;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
   float row_scale(int64_t) const { return 1.0f; }
   float tail(int64_t n, int64_t k) const { return q[n * K + k]; }
 #if KILN_QUANT_AVX2
@@ -148,6 +157,8 @@ struct F32Dec {
 struct Int4Dec {
   const uint8_t* q;
   int64_t K;
+  static constexpr int64_t kBlockBytes = kBlock / 2;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + (n * K + k) / 2); }
   const float* scales;
   const float* zeros;
   int64_t G, NG;
@@ -192,6 +203,10 @@ inline void gemv_rows(const Dec& d, const float* x, int64_t K, int64_t n, const 
   for (int r = 0; r < R; ++r)
     for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K32; k += kBlock) {
+    // each line of the weights once, 64 KiB ahead (plugins/csrc/prefetch.h)
+    const char* p = d.at(n, k);
+    if (Dec::kBlockBytes >= 64 || (reinterpret_cast<uintptr_t>(p) & 63) < Dec::kBlockBytes)
+      for (int64_t b = 0; b < Dec::kBlockBytes; b += 64) kiln::prefetch_far(p + b);
     vec w[4];
     d.decode(n, k, w);
     for (int j = 0; j < 4; ++j)

@@ -192,7 +192,7 @@ inline void tile_vnni(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
       const int64_t at = (n0 + j) * K + k;
       _mm_prefetch(reinterpret_cast<const char*>(wq + std::min(at + kPrefetch, last)), _MM_HINT_T0);
       kiln::prefetch_far(wq + at);
-      w[j] = _mm512_xor_si512(_mm512_loadu_si512(wq + (n0 + j) * K + k), flip);
+      w[j] = _mm512_xor_si512(_mm512_loadu_si512(wq + at), flip);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512i xv = _mm512_loadu_si512(x.q.data() + (m0 + r) * K + k);
@@ -234,13 +234,13 @@ inline void tile_avx2(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
     for (int64_t k = 0; k < K32; k += 32) {
       __m256i w[kNB];
       for (int j = 0; j < kNB; ++j) {
+        const int64_t at = (n0 + j) * K + k;
         if (k % 64 == 0) {
-          const int64_t at = (n0 + j) * K + k;
           _mm_prefetch(reinterpret_cast<const char*>(wq + std::min(at + kPrefetch, last)),
                        _MM_HINT_T0);
           kiln::prefetch_far(wq + at);
         }
-        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + (n0 + j) * K + k));
+        w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + at));
       }
       for (int r = 0; r < rr; ++r) {
         const int64_t row = (m0 + r0 + r) * K + k;

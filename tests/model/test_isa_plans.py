@@ -160,6 +160,12 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
             ref = ops.REFERENCES[scheme](x, *args, b)
             out = ops.quant_linear(x, q, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, m, n, k)
+    for scheme in ("int8", "fp8", "bf16", "fp32"):   # one row of x: weight rows in groups
+        for kk in (k, k - 3):                           # and one at a time, K's tail
+            x1, q = x[:1, :kk].contiguous(), formats.quantize(w[:, :kk].contiguous(), scheme)
+            ref = ops.REFERENCES[scheme](x1, q.qweight, q.scales, b)
+            out = ops.quant_linear(x1, q, b)
+            assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, 1, n, kk)
     if k % 32 == 0 and n % 16 == 0:   # W4A8 and int4_rows16: tiles of 1-4 rows of x, every group
         q = formats.quantize(w, "int4_a8")
         for rows in (x, x[:1], torch.zeros_like(x)):

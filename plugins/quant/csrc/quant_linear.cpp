@@ -4,7 +4,8 @@
 //
 // Paths, all parallel over output channels with at::parallel_for:
 //   small M (decode, memory-bound): a GEMV that streams the packed weights once and
-//     dequantizes 32 weights at a time in AVX2 registers, reused for up to 4 rows of x;
+//     dequantizes 32 weights at a time in AVX2 registers, reused for up to 4 rows of x
+//     (at one row of x, four weight rows at a time: gemv_row_group);
 //     with AVX-512 VNNI, int8 (1-2 rows) and int4 (1-7 rows) decode in integers instead:
 //     x as three int8 digits of fixed point against the codes on vpdpbusd (int8_dot.h);
 //   large M (prefill / big batches, compute-bound): dequantize a tile of weight rows into
@@ -213,8 +214,10 @@ inline void prefetch_block(const Dec& d, int64_t n, int64_t k) {
 // One row of x against weight rows n .. n + 3 (decode at batch 1): each row's decoded
 // weights go straight into two FMA chains of its own, x is loaded once for the four rows,
 // and one horizontal reduction gives the four sums. gemv_rows<1> on one weight row at a time
-// ran compute-bound at 3.3 weights a cycle for int8 on an AVX-512 Xeon core (its hsum and
-// loop set-up per 576-weight row, and x loaded per row); this one at NR.
+// ran compute-bound at 3.3 int8 weights a cycle on an Intel Xeon core (AVX2 code, SmolLM2's
+// shapes, weights in cache, one thread: its hsum and loop set-up per 576-weight row, x loaded
+// again per row); this at 5.1-5.7 (eight rows with one chain each: 4.5-5.1). The AVX2 int8
+// plan's batch-1 step: 6.59 -> 4.88 ms back to back, 8.25 -> 7.05 after a 1 GiB read.
 constexpr int64_t kRowGroup = 4;
 
 template <class Dec>

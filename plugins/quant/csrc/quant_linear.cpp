@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "../../csrc/parallel.h"
 #include "../../csrc/prefetch.h"
 #include "int8_dot.h"   // before the path macros below: they read KILN_INT8_DOT_VNNI
 
@@ -299,8 +300,12 @@ void gemv(const Dec& d, const float* x, int64_t M, int64_t K, int64_t N, const f
   const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
 #if KILN_QUANT_AVX2
   if (M == 1) {    // groups of kRowGroup weight rows; a last N % kRowGroup one at a time
-    at::parallel_for(0, (N + kRowGroup - 1) / kRowGroup, std::max<int64_t>(1, grain / kRowGroup),
-                     [&](int64_t g0, int64_t g1) {
+    // chunks of ~16 KiB of weights, at least 4 a thread (plugins/csrc/parallel.h: a thread
+    // preempted by the server's other threads leaves its chunks to the rest)
+    const int64_t groups = (N + kRowGroup - 1) / kRowGroup;
+    const int64_t group_bytes = kRowGroup * (K / kBlock) * Dec::kBlockBytes;
+    kiln::parallel_chunks(groups, kiln::chunk_items(groups, group_bytes, 16 << 10),
+                          [&](int64_t g0, int64_t g1) {
       for (int64_t n = g0 * kRowGroup; n < std::min(N, g1 * kRowGroup); n += kRowGroup) {
         if (n + kRowGroup <= N)
           gemv_row_group(d, x, K, n, bias, out);

@@ -1,6 +1,6 @@
 """The quant plugin's linear kernels side by side on SmolLM2's shapes (README "Precisions").
 
-    python bench/linear_kernels.py [--threads 1] [--rows 1 4 32 64 128 512]
+    python bench/linear_kernels.py [--threads 1] [--rows 1 4 32 64 128 512] [--isa avx2]
 
 W4A8 (kiln::linear_int4_a8) vs W8A8 (kiln::linear_int8_a8: own GEMV below 4 rows, oneDNN's
 _int_mm from 4) per shape and number of rows of x, weights in cache (one matrix, timed
@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from plugins import isa                           # noqa: E402
+from plugins.cpp_build import kernel_path         # noqa: E402
 from plugins.quant import formats, kernels, ops   # noqa: E402
 
 SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]   # w13, w2, wqkv, wo
@@ -40,11 +42,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 64, 128, 512])
+    ap.add_argument("--isa", default=None, help="compile the kernels for this target.isa "
+                    "level (default: this machine's), e.g. avx2 for an AVX2-only fleet's code")
     args = ap.parse_args()
-    kernels.load()
+    lib = kernels.load(kernels.build(isa.level(args.isa)) if args.isa else None)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    print(f"{args.threads} thread(s); weights in cache; best of 7")
+    print(f"{args.threads} thread(s); kernels for {args.isa or 'this machine'}: "
+          f"{kernel_path(lib)}; weights in cache; best of 7")
     print(f"{'shape':>10} {'rows':>5} {'W8A8 us':>9} {'W4A8 us':>9} {'W4A8 speed-up':>14}")
     for n, k in SHAPES:
         w = torch.randn(n, k, generator=g)

@@ -2,7 +2,8 @@
 // layouts: plugins/quant/formats.py). Registered for the CPU key, so they override the
 // dequantize-then-matmul references once this library is loaded.
 //
-// Paths, all parallel over output channels with at::parallel_for:
+// Paths, all parallel over output channels (at::parallel_for; kiln::parallel_chunks at one
+// row of x):
 //   small M (decode, memory-bound): a GEMV that streams the packed weights once and
 //     dequantizes 32 weights at a time in AVX2 registers, reused for up to 4 rows of x
 //     (at one row of x, four weight rows at a time: gemv_row_group);

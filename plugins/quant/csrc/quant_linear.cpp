@@ -200,6 +200,15 @@ struct Int4Dec {
 
 // ---- GEMV: out[r, n] = row_scale(n) * sum_k w[n, k] x[r, k] (+ bias[n]), r < R ----
 
+// Output n for one row of x from its sum over the first K32 weights: the K % 32 tail, the
+// weight row's scale and the bias.
+template <class Dec>
+inline float finish_row(const Dec& d, const float* x, int64_t K32, int64_t K, int64_t n,
+                        float sum, const float* bias) {
+  for (int64_t k = K32; k < K; ++k) sum += d.tail(n, k) * x[k];
+  return sum * d.row_scale(n) + (bias ? bias[n] : 0.0f);
+}
+
 #if KILN_QUANT_AVX2
 // Each line of the weights of row n's block at k, once: 64 KiB ahead into L2, kGemvNear
 // ahead into L1.
@@ -246,10 +255,7 @@ inline void gemv_row_group(const Dec& d, const float* x, int64_t K, int64_t n, c
   const __m256 h = _mm256_hadd_ps(h01, h23);
   float sums[kRowGroup];
   _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  for (int i = 0; i < kRowGroup; ++i) {
-    for (int64_t k = K32; k < K; ++k) sums[i] += d.tail(n + i, k) * x[k];
-    out[n + i] = sums[i] * d.row_scale(n + i) + (bias ? bias[n + i] : 0.0f);
-  }
+  for (int i = 0; i < kRowGroup; ++i) out[n + i] = finish_row(d, x, K32, K, n + i, sums[i], bias);
 }
 #endif
 
@@ -286,19 +292,12 @@ inline void gemv_rows(const Dec& d, const float* x, int64_t K, int64_t n, const 
       for (int j = 0; j < kBlock; ++j) sums[r] += w[j] * x[r * K + k + j];
   }
 #endif
-  for (int64_t k = K32; k < K; ++k) {
-    const float wk = d.tail(n, k);
-    for (int r = 0; r < R; ++r) sums[r] += wk * x[r * K + k];
-  }
-  const float rs = d.row_scale(n);
-  const float b = bias ? bias[n] : 0.0f;
-  for (int r = 0; r < R; ++r) out[r * ldo + n] = sums[r] * rs + b;
+  for (int r = 0; r < R; ++r) out[r * ldo + n] = finish_row(d, x + r * K, K32, K, n, sums[r], bias);
 }
 
 template <class Dec>
 void gemv(const Dec& d, const float* x, int64_t M, int64_t K, int64_t N, const float* bias,
           float* out) {
-  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
 #if KILN_QUANT_AVX2
   if (M == 1) {    // groups of kRowGroup weight rows; a last N % kRowGroup one at a time
     // chunks of ~16 KiB of weights, at least 4 a thread (plugins/csrc/parallel.h: a thread
@@ -317,6 +316,7 @@ void gemv(const Dec& d, const float* x, int64_t M, int64_t K, int64_t N, const f
     return;
   }
 #endif
+  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       for (int64_t r = 0; r < M; r += kMaxRows) {

@@ -75,11 +75,11 @@ def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str)
     execute = executor_mod.Executor.execute
 
     def execute_timed(self, batch):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return execute(self, batch)
         finally:
-            steps.append((t0, time.perf_counter()))
+            steps.append((t0, time.perf_counter(), time.thread_time() - c0))
     executor_mod.Executor.execute = execute_timed
 
     deliver = streams_mod._deliver
@@ -105,10 +105,13 @@ def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str)
 
 
 def summarize(data: dict) -> dict:
-    steps = data["steps"]
+    steps = [(s, e) for s, e, _ in data["steps"]]
     starts = [s for s, _ in steps]
     periods = [b[0] - a[0] for a, b in zip(steps, steps[1:]) if b[0] - a[0] < 0.05]
     res = {"steps": len(steps), "step_us": _median_us([e - s for s, e in steps]),
+           # the engine thread's own CPU in the step: below step_us, it waited (for the GIL
+           # as the call returned, or for a core)
+           "step_engine_thread_cpu_us": _median_us([c for _, _, c in data["steps"]]),
            "period_us": _median_us(periods),
            "phases_us": {k: _median_us(v) for k, v in data["phases"].items()}, "events": {}}
     for kind, stamps in data["events"].items():
@@ -173,7 +176,8 @@ def main() -> None:
     res.update(tok_s=1.0 / level["tpot_s"]["mean"], plan=args.plan, threads=args.threads)
     print(f"decode over gRPC {res['tok_s']:.1f} tok/s; inside the server: compiled step "
           f"{res['step_us'] / 1e3:.2f} ms, a step every {res['period_us'] / 1e3:.2f} ms "
-          f"({res['step_us'] / res['period_us']:.0%} of it in the step)")
+          f"({res['step_us'] / res['period_us']:.0%} of it in the step); the engine thread's "
+          f"own CPU in the step {res['step_engine_thread_cpu_us'] / 1e3:.2f} ms")
     for name, us in res["phases_us"].items():
         print(f"  engine thread, {name:24} {us:7.1f} us (median)")
     rest = res["period_us"] - res["step_us"] - sum(res["phases_us"].values())

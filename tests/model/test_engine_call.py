@@ -45,6 +45,48 @@ print(sys.argv[3], alive, steps[0], type(ex.step_fn.engine).__name__, digest)
 """
 
 
+# The main thread takes the GIL as the engine thread gives it up entering the step, and keeps it
+# (no call in its loop gives it up) while it watches the last layer's V row of the step's last
+# token in the KV pool. The step writes that row only after every layer has run: it is seen
+# if the step runs to its end without taking the GIL back. Before engine_call.cpp held its
+# inputs, the step took the GIL as it freed each input (the KV pools of layer 0 onward), and
+# the row was never written while the main thread held it.
+STEP_TO_ITS_END = """
+import ctypes, sys, threading, time
+from runtime.compute import claim_process
+claim_process(1)
+from runtime.executor import Executor, ModelInput
+from runtime.plan import load_plan
+plan = load_plan(sys.argv[1])
+ex = Executor.from_plan(plan, kv_budget_bytes=1 << 20)
+bs = plan.manifest.kv_cache.tokens_per_block
+batch = ModelInput.build([[1, 2, 3]], [0], [[1]], bs)
+ex.execute(batch)
+for pool in ex.k_caches + ex.v_caches:
+    pool.zero_()
+row = ex.v_caches[-1][1, 2]          # block 1, offset 2: the third token, last layer
+probe = (ctypes.c_ubyte * (row.numel() * row.element_size())).from_address(row.data_ptr())
+sys.setswitchinterval(1000.0)
+t = threading.Thread(target=ex.execute, args=(batch,))
+t.start()                            # returns once the engine thread gave up the GIL
+deadline, written = time.monotonic() + 60, False
+while not written and time.monotonic() < deadline:
+    written = any(bytes(probe))
+sys.setswitchinterval(0.005)
+t.join()
+print(sys.argv[2], written, any(bytes(probe)))
+"""
+
+
+def test_the_step_runs_to_its_end_without_the_gil(tiny_plan):
+    r = subprocess.run([sys.executable, "-c", STEP_TO_ITS_END, str(tiny_plan), "RESULT"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+    assert line[2] == "True", "the step wrote nothing to the probed row: the probe is wrong"
+    assert line[1] == "True", "the step stopped for the GIL before its last layer"
+
+
 def _run(plan: Path, limit: int) -> tuple[bool, int, str, str]:
     """(engine thread still stepping when the main thread got the GIL, steps taken, the
     step's engine class, sha256 of the first step's logits), from a fresh process."""

@@ -6,9 +6,19 @@
 // torch.ops release the GIL; these ops run the same AOTIModelContainerRunnerCpu the package
 // loader would create, on the model .so the runtime unpacked from the verified plan.
 //
+// The inputs come from Python, each tensor with its Python object. torch keeps that object alive
+// while C++ holds a second reference, and decrefs it, taking the GIL, when the C++ count drops
+// back to one (c10/util/intrusive_ptr.h, "PyObject preservation"). AOTInductor's model frees each
+// input handle after its last use, in the middle of the step: the step took the GIL once per
+// input (67 times in a SmolLM2 step), and waited each time a serving thread held it (`perf`
+// sched_switch on the engine thread: 93% of its switches in take_gil under
+// aoti_torch_delete_tensor_object). `run` holds one more reference to every input for the whole
+// step and drops them all after it, under one acquisition of the GIL.
+//
 // Engines live in a process-wide table (an int handle per open; close frees the runner, its
 // weights and the .so mapping). A handle's runs may come from one thread at a time (the engine
-// thread); the table itself is guarded.
+// thread); the table itself is guarded. (open_engine and close_engine: Python.h declares ::close.)
+#include <Python.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner_cpu.h>
 #include <torch/library.h>
 
@@ -37,7 +47,7 @@ std::shared_ptr<Runner> engine(int64_t handle) {
   return table()[handle];
 }
 
-int64_t open(c10::string_view model_so) {
+int64_t open_engine(c10::string_view model_so) {
   auto runner = std::make_shared<Runner>(std::string(model_so), /*num_models=*/1,
                                          /*run_single_threaded=*/false);
   std::lock_guard<std::mutex> lock(table_mutex);
@@ -47,11 +57,25 @@ int64_t open(c10::string_view model_so) {
 
 std::vector<std::string> call_spec(int64_t handle) { return engine(handle)->get_call_spec(); }
 
-std::vector<at::Tensor> run(int64_t handle, std::vector<at::Tensor> inputs) {
-  return engine(handle)->boxed_run(std::move(inputs));
+// Drops `tensors` holding the GIL once (their Python objects' decrefs then take it re-entrantly).
+void release_with_gil(std::vector<at::Tensor>& tensors) {
+  if (!Py_IsInitialized()) {
+    tensors.clear();
+    return;
+  }
+  PyGILState_STATE state = PyGILState_Ensure();
+  tensors.clear();
+  PyGILState_Release(state);
 }
 
-void close(int64_t handle) {
+std::vector<at::Tensor> run(int64_t handle, std::vector<at::Tensor> inputs) {
+  std::vector<at::Tensor> held(inputs);   // the step's frees now never drop a count to one
+  std::vector<at::Tensor> outputs = engine(handle)->boxed_run(std::move(inputs));
+  release_with_gil(held);
+  return outputs;
+}
+
+void close_engine(int64_t handle) {
   std::shared_ptr<Runner> gone;
   {
     std::lock_guard<std::mutex> lock(table_mutex);
@@ -62,8 +86,8 @@ void close(int64_t handle) {
 }  // namespace
 
 TORCH_LIBRARY(kiln_engine, m) {
-  m.def("open(str model_so) -> int", &open);
+  m.def("open(str model_so) -> int", &open_engine);
   m.def("call_spec(int engine) -> str[]", &call_spec);
   m.def("run(int engine, Tensor[] inputs) -> Tensor[]", &run);
-  m.def("close(int engine) -> ()", &close);
+  m.def("close(int engine) -> ()", &close_engine);
 }

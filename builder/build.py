@@ -148,6 +148,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(out)
     tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -159,6 +160,27 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         raise
     progress.done(f"plan written to {out}")
     return BuildResult(out, fp, True, "built", time.perf_counter() - t0, manifest)
+
+
+def _sweep_stale(out: Path) -> None:
+    """Remove what builds of `out` killed before their cleanup left beside it (a SIGKILL, the
+    OOM killer, a CI job's timeout): `.NAME.building-PID` and `.NAME.old-PID` whose process is
+    gone. A live PID's directories are another build's, and stay."""
+    for kind in ("building", "old"):
+        for d in out.parent.glob(f".{out.name}.{kind}-*"):
+            pid = d.name.rsplit("-", 1)[1]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # someone else's process
+        return True
+    return True
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

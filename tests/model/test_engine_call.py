@@ -11,11 +11,8 @@ pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The engine thread steps until told to stop (at most `limit` steps). The switch interval is
-# made far longer than the test, so the main thread gets the GIL back only when the engine
-# thread gives it up on its own: if the step held it, the main thread would resume only once
-# the engine thread's loop had ended, and find it no longer alive.
-STEP_LOOP = """
+# Both scripts: argv[1] the plan; one sequence of three tokens in block 1 of a small KV pool.
+PROLOGUE = """
 import sys, threading
 from runtime.compute import claim_process
 claim_process(1)
@@ -25,6 +22,13 @@ plan = load_plan(sys.argv[1])
 ex = Executor.from_plan(plan, kv_budget_bytes=1 << 20)
 bs = plan.manifest.kv_cache.tokens_per_block
 batch = ModelInput.build([[1, 2, 3]], [0], [[1]], bs)
+"""
+
+# The engine thread steps until told to stop (at most `limit` steps). The switch interval is
+# made far longer than the test, so the main thread gets the GIL back only when the engine
+# thread gives it up on its own: if the step held it, the main thread would resume only once
+# the engine thread's loop had ended, and find it no longer alive.
+STEP_LOOP = PROLOGUE + """
 logits = ex.execute(batch).clone()
 started, stop, steps = threading.Event(), [False], [0]
 def loop(limit=int(sys.argv[2])):
@@ -51,16 +55,8 @@ print(sys.argv[3], alive, steps[0], type(ex.step_fn.engine).__name__, digest)
 # if the step runs to its end without taking the GIL back. Before engine_call.cpp held its
 # inputs, the step took the GIL as it freed each input (the KV pools of layer 0 onward), and
 # the row was never written while the main thread held it.
-STEP_TO_ITS_END = """
-import ctypes, sys, threading, time
-from runtime.compute import claim_process
-claim_process(1)
-from runtime.executor import Executor, ModelInput
-from runtime.plan import load_plan
-plan = load_plan(sys.argv[1])
-ex = Executor.from_plan(plan, kv_budget_bytes=1 << 20)
-bs = plan.manifest.kv_cache.tokens_per_block
-batch = ModelInput.build([[1, 2, 3]], [0], [[1]], bs)
+STEP_TO_ITS_END = PROLOGUE + """
+import ctypes, time
 ex.execute(batch)
 for pool in ex.k_caches + ex.v_caches:
     pool.zero_()
@@ -78,11 +74,16 @@ print(sys.argv[2], written, any(bytes(probe)))
 """
 
 
-def test_the_step_runs_to_its_end_without_the_gil(tiny_plan):
-    r = subprocess.run([sys.executable, "-c", STEP_TO_ITS_END, str(tiny_plan), "RESULT"],
+def _script(script: str, *args) -> list[str]:
+    """The fields of the line the script prints (after "RESULT"), run in a fresh process."""
+    r = subprocess.run([sys.executable, "-c", script, *map(str, args), "RESULT"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+    return [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+
+
+def test_the_step_runs_to_its_end_without_the_gil(tiny_plan):
+    line = _script(STEP_TO_ITS_END, tiny_plan)
     assert line[2] == "True", "the step wrote nothing to the probed row: the probe is wrong"
     assert line[1] == "True", "the step stopped for the GIL before its last layer"
 
@@ -90,10 +91,7 @@ def test_the_step_runs_to_its_end_without_the_gil(tiny_plan):
 def _run(plan: Path, limit: int) -> tuple[bool, int, str, str]:
     """(engine thread still stepping when the main thread got the GIL, steps taken, the
     step's engine class, sha256 of the first step's logits), from a fresh process."""
-    r = subprocess.run([sys.executable, "-c", STEP_LOOP, str(plan), str(limit), "RESULT"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")][-1].split()
+    line = _script(STEP_LOOP, plan, limit)
     return line[1] == "True", int(line[2]), line[3], line[4]
 
 

@@ -20,13 +20,11 @@ def _dead_pid() -> int:
 def test_stale_build_directories_of_dead_builds_are_removed(tmp_path):
     out = tmp_path / "plans" / "x"
     dead, live = _dead_pid(), os.getpid()
-    made = {name: tmp_path / "plans" / name for name in (
-        f".x.building-{dead}", f".x.old-{dead}",          # a killed build of x: removed
-        f".x.building-{live}",                            # a running build of x: kept
-        f".y.building-{dead}",                            # another plan's: not this build's
-        ".x.building-notapid", "x")}                      # not ours to judge; the plan itself
-    for d in made.values():
-        (d / "kernels").mkdir(parents=True)
+    for name in (f".x.building-{dead}", f".x.old-{dead}",   # a killed build of x: removed
+                 f".x.building-{live}",                     # a running build of x: kept
+                 f".y.building-{dead}",                     # another plan's: not this build's
+                 ".x.building-notapid", "x"):               # not ours to judge; the plan itself
+        (tmp_path / "plans" / name / "kernels").mkdir(parents=True)
     _sweep_stale(out)
     assert sorted(p.name for p in (tmp_path / "plans").iterdir()) == sorted(
         [f".x.building-{live}", f".y.building-{dead}", ".x.building-notapid", "x"])

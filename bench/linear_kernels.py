@@ -83,6 +83,7 @@ def main() -> None:
             "fp8 kiln::linear_fp8": packed("fp8"),
             "int4 g32 kiln::linear_int4": packed("int4", 32),
             "int4 g64 kiln::linear_int4": packed("int4", 64),
+            "int4 kiln::linear_int4_rows16": packed("int4_a8"),
             "W8A8 kiln::linear_int8_a8": packed("int8", activations="int8"),
             "W4A8 kiln::linear_int4_a8": packed("int4_a8", activations="int8")}
     print(f"\nstreaming read: {layers} matrices 3072x576 (more than the caches), one row of x; "

@@ -220,6 +220,19 @@ ODD_BATCHES = [1, 3, 8, 33]
 K_NOT_MULTIPLE_OF_32 = [1, 7, 70, 577]
 
 
+def rows16_digits_bound(x, qw) -> torch.Tensor:
+    """[M, N]: how far kiln::linear_int4_rows16 may be from x @ dequantize(qw).T from holding
+    each group of 32 of x as two int8 digits (at most max|x of the group| / (2 * 127 * 128)
+    off each) times the codes' part of each weight, d * q = w - min (the minimums go against
+    the float sum of x)."""
+    from plugins.quant import formats
+
+    gmax = x.abs().reshape(x.shape[0], -1, 32).amax(dim=2).repeat_interleave(32, dim=1)
+    mins = formats.dequantize_int4_a8(torch.zeros_like(qw.qweight), qw.scales, qw.zeros)
+    dq = formats.dequantize(qw).double() - mins.double()
+    return (gmax.double() / (2 * 127 * 128)) @ dq.abs().T
+
+
 def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     """linear(x, quantized w, bias) == dequantize-then-F.linear, within a relative tolerance."""
     from plugins.quant import formats, ops
@@ -232,6 +245,14 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     assert out.shape == ref.shape and out.dtype == x.dtype
     scale = ref.float().abs().max().item() + 1e-6
     tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 2e-5
+    if scheme == "int4_a8" and x.dtype == torch.float32 and x.shape[-1] % 32 == 0:
+        # weight-only: each group of 32 of x is held as two int8 digits, at most
+        # max|x of the group| / (2 * 127 * 128) off each element (linear_int4_a8.cpp)
+        bound = rows16_digits_bound(x, qw)
+        excess = (out.double() - ref.double()).abs() - bound - tol * scale
+        assert (excess <= 0).all(), f"int4_a8 x{tuple(x.shape)} w{tuple(w.shape)}: " \
+                                    f"{excess.max().item():.3g} over the digits' bound"
+        return
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \
                                f"max err {err:.3g} vs scale {scale:.3g}"

@@ -16,7 +16,7 @@ group of 32 along K (llama.cpp's Q8_1 arithmetic: each group its own max|x|/127)
 group's integer dot product is scaled by its weight scale and activation scale, and the
 group minimums add min * (activation scale * sum of the group's codes).
 linear_int4_rows16 is weight-only on the same weights: x stays float (its CPU kernel holds
-each group of x as three int8 digits, at most 2.4e-7 of the group's max|x| off, and takes
+each group of x as two int8 digits, at most 3.1e-5 of the group's max|x| off, and takes
 the group minimums against the float sum of x). It and the others are referenced by
 dequantize-then-matmul.
 

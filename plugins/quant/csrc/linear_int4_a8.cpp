@@ -7,14 +7,14 @@
 //   xq = round_half_even(x / sx), sx[m, g] = max|x[m, group g]| / 127 (run time, per group
 //   of 32: llama.cpp's Q8_1), cx[m, g] = sx[m, g] * sum_{k in g} xq[m, k];
 //   q in 0..15, d (scale) and mn (group minimum) float16: llama.cpp's Q4_1.
-// linear_int4_rows16 is weight-only: x of each group is held as ND = 3 int8 digits of fixed
-// point, x ~ sx (c0 + c1 / 128 + c2 / 128^2) (c0 in -127..127, c1, c2 in -64..64: at most
-// 2.4e-7 of the group's max|x| off, below float32's own rounding of most of its values),
-// each digit multiplied like W4A8's one and combined in the int32 lanes,
-// I = ((I0 << 7) + I1) << 7 + I2 (|I0| <= 32 * 15 * 127, so under 2^30), and cx the group's
-// float sum of x. The same loops with three times the integer dot products: the float
-// decoder this replaces (quant_linear.cpp, [N, K/2] layout, fp32 scales) took 1.4-2.9x as
-// long on SmolLM2's shapes (2 threads, 1 to 128 rows of x, Zen 4).
+// linear_int4_rows16 is weight-only: x of each group is held as ND = 2 int8 digits of fixed
+// point, x ~ sx (c0 + c1 / 128) (c0 in -127..127, c1 in -64..64: at most 3.1e-5 of the
+// group's max|x| off, 1 / (2 * 127 * 128); kRows16Digits below), each digit multiplied like
+// W4A8's one and combined in the int32 lanes, I = (I0 << 7) + I1 (|I0| <= 32 * 15 * 127, so
+// under 2^23; the kernels also take ND = 3, 2.4e-7 off), and cx the group's float sum of x.
+// The same loops with twice the integer dot products: the float decoder this replaces
+// (quant_linear.cpp, [N, K/2] layout, fp32 scales) took 1.4-2.9x as long on SmolLM2's
+// shapes (2 threads, 1 to 128 rows of x, Zen 4; with three digits then).
 //
 // The weights are interleaved 16 rows at a time, so one register of int32 lanes holds the
 // 16 rows' sums and the per-group scales load as one vector (no horizontal reductions):
@@ -68,6 +68,12 @@ namespace {
 constexpr int64_t kRows = 16;     // weight rows per interleaved block
 constexpr int64_t kGroup = 32;    // weights (and activations) per scale
 constexpr int64_t kChunk = 256;   // packed bytes per (block, group)
+// Digits of x in linear_int4_rows16 (weight-only). Two hold each group of x within 3.1e-5 of
+// its max|x| (bfloat16 activations: 2e-3 of each value); a third (2.4e-7) cost a third more
+// integer work: 30 streamed SmolLM2 w13 matrices at one row of x, 2 threads, this Intel
+// host, 2 digits against 3: AVX2 0.93 vs 1.17 ms (in cache 0.79 vs 1.04), VNNI 0.81 vs 0.86
+// (0.44 vs 0.53); W4A8 (one digit) 0.72 and 0.79.
+constexpr int kRows16Digits = 2;
 // rows of x per tile, by digits per activation (accumulators: MR * ND * 2 registers; AVX2's
 // 2 rows of three digits spill a few of them, and still beat 1 row: 4 rows of x 0.76 -> 1.09x
 // the float decoder on SmolLM2's w13)
@@ -81,13 +87,18 @@ constexpr int kMR = KILN_W4A8_VNNI ? (ND == 1 ? 4 : 2) : 2;
 constexpr int64_t kPrefetchGroups = 16;
 
 // Per group of 32 along K: q = round_half_even(x / s), s = max|x| / 127 (1 for all zeros);
-// c = s * sum(q). Same arithmetic as quantize_activation_groups in ops.py. With ND = 3 the
-// residuals of x / s take two more digits, q1 = round((x / s - q0) * 128), q2 likewise
-// (exact in float: each residual is at most half an integer), s carries the 2^-14 the
-// digits are combined with, and c is the group's float sum of x. q: ND rows of K digits.
+// c = s * sum(q). Same arithmetic as quantize_activation_groups in ops.py. With ND > 1 the
+// residuals of x / s take more digits, q1 = round((x / s - q0) * 128), q2 likewise
+// (exact in float: each residual is at most half an integer), s carries the 128^-(ND-1)
+// the digits are combined with (kDigitUnit), and c is the group's float sum of x. q: ND rows of K digits.
 // At one row of x this runs on one thread before the GEMV's fork, so it is vectorized: the
 // scalar loop (a division and up to three roundings per value) took about 8% of the int4
 // plan's batch-1 step (perf, 120 calls a step) while the other thread waited.
+//
+// The unit of the combined lanes, in units of the group's scale: 128^-(ND-1).
+template <int ND>
+constexpr float kDigitUnit = ND == 1 ? 1.f : ND == 2 ? 1.f / 128.f : 1.f / 16384.f;
+
 template <int ND>
 inline void quantize_group_scalar(const float* xg, int64_t K, int8_t* q, float& s, float& c) {
   float amax = 0.f;
@@ -100,16 +111,16 @@ inline void quantize_group_scalar(const float* xg, int64_t K, int8_t* q, float& 
     const float v = std::min(127.f, std::max(-127.f, std::nearbyint(t)));
     q[k] = static_cast<int8_t>(v);
     sum += static_cast<int32_t>(v);
-    if (ND == 3) {
+    if (ND > 1) {
       const float e1 = (t - v) * 128.f;
       const float v1 = std::nearbyint(e1);
       q[K + k] = static_cast<int8_t>(v1);
-      q[2 * K + k] = static_cast<int8_t>(std::nearbyint((e1 - v1) * 128.f));
+      if (ND == 3) q[2 * K + k] = static_cast<int8_t>(std::nearbyint((e1 - v1) * 128.f));
       fsum += xg[k];
     }
   }
-  s = ND == 3 ? sc * (1.f / 16384.f) : sc;
-  c = ND == 3 ? fsum : sc * float(sum);
+  s = sc * kDigitUnit<ND>;
+  c = ND > 1 ? fsum : sc * float(sum);
 }
 
 #if defined(__AVX512F__)
@@ -134,15 +145,16 @@ inline void quantize_group(const float* xg, int64_t K, int8_t* q, float& s, floa
     const __m512 v = _mm512_min_ps(_mm512_max_ps(round_even(t), lo), hi);  // NaN -> -127
     store_i8(q + 16 * h, v);
     vsum = _mm512_add_ps(vsum, v);
-    if (ND == 3) {
+    if (ND > 1) {
       const __m512 e1 = _mm512_mul_ps(_mm512_sub_ps(t, v), k128);
       const __m512 v1 = round_even(e1);
       store_i8(q + K + 16 * h, v1);
-      store_i8(q + 2 * K + 16 * h, round_even(_mm512_mul_ps(_mm512_sub_ps(e1, v1), k128)));
+      if (ND == 3)
+        store_i8(q + 2 * K + 16 * h, round_even(_mm512_mul_ps(_mm512_sub_ps(e1, v1), k128)));
     }
   }
-  s = ND == 3 ? sc * (1.f / 16384.f) : sc;
-  c = ND == 3 ? _mm512_reduce_add_ps(_mm512_add_ps(x[0], x[1]))
+  s = sc * kDigitUnit<ND>;
+  c = ND > 1 ? _mm512_reduce_add_ps(_mm512_add_ps(x[0], x[1]))
               : sc * _mm512_reduce_add_ps(vsum);
 }
 #elif defined(__AVX2__)
@@ -184,16 +196,17 @@ inline void quantize_group(const float* xg, int64_t K, int8_t* q, float& s, floa
     const __m256 v = _mm256_min_ps(_mm256_max_ps(round_even(t), lo), hi);
     store_i8(q + 8 * i, v);
     vsum = _mm256_add_ps(vsum, v);
-    if (ND == 3) {
+    if (ND > 1) {
       const __m256 e1 = _mm256_mul_ps(_mm256_sub_ps(t, v), k128);
       const __m256 v1 = round_even(e1);
       store_i8(q + K + 8 * i, v1);
-      store_i8(q + 2 * K + 8 * i, round_even(_mm256_mul_ps(_mm256_sub_ps(e1, v1), k128)));
+      if (ND == 3)
+        store_i8(q + 2 * K + 8 * i, round_even(_mm256_mul_ps(_mm256_sub_ps(e1, v1), k128)));
       xsum = _mm256_add_ps(xsum, x[i]);
     }
   }
-  s = ND == 3 ? sc * (1.f / 16384.f) : sc;
-  c = ND == 3 ? hsum8(xsum) : sc * hsum8(vsum);
+  s = sc * kDigitUnit<ND>;
+  c = ND > 1 ? hsum8(xsum) : sc * hsum8(vsum);
 }
 #else
 template <int ND>
@@ -448,7 +461,7 @@ at::Tensor linear_int4_a8(const at::Tensor& x, const at::Tensor& qweight,
 at::Tensor linear_int4_rows16(const at::Tensor& x, const at::Tensor& qweight,
                               const at::Tensor& scales, const at::Tensor& mins,
                               const c10::optional<at::Tensor>& bias) {
-  return run<3>("kiln::linear_int4_rows16", x, qweight, scales, mins, bias);
+  return run<kRows16Digits>("kiln::linear_int4_rows16", x, qweight, scales, mins, bias);
 }
 
 }  // namespace

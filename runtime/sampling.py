@@ -9,9 +9,9 @@ per-row step (a seeded generator, min_tokens, bad words) get one. Order, as in v
     -> greedy rows: argmax
     -> temperature -> top-k -> top-p -> softmax -> min-p -> draw
 
-Drawing uses the exponential race (argmax of p / Exp(1) noise), so a seeded request draws
-its noise from its own torch.Generator: the same seed and prompt give the same tokens
-whatever else shares the batch.
+Drawing takes one uniform number a row (inverse of the cumulative distribution), from the
+request's own torch.Generator when it is seeded: the same seed and prompt give the same
+tokens whatever else shares the batch.
 """
 from __future__ import annotations
 
@@ -201,35 +201,74 @@ class Sampler:
         greedy = [t == 0 for t in temps]
         if all(greedy):
             return _argmax(logits)
-        x = logits / torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
+        argmaxes = _argmax(logits) if any(greedy) else None
+        # from here on in place on logits (this call's own copy): at 32 rows each new
+        # [B, vocab] tensor costs as much again as the pass that fills it
+        x = logits.div_(torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None])
+        mx = x.amax(dim=-1, keepdim=True)
+        bad = ~torch.isfinite(mx[:, 0])      # all masked, or NaN / +inf: that row's argmax
+        fallback = _argmax(x[bad]) if bool(bad.any()) else []
+        probs = x.sub_(mx).exp_()            # unnormalized: 1 at the max, 0 where masked
         ks = [p.top_k if p.top_k > 0 else V for p in P]
-        if min(ks) < V:
+        if min(ks) < V:                  # keep each row's k most likely (and ties of the k-th)
             kmax = max(k for k in ks if k < V)
-            kth = x.topk(kmax, dim=-1).values                                 # [B, kmax]
-            idx = torch.tensor([min(k, kmax) - 1 for k in ks])
-            thresh = kth.gather(1, idx[:, None])                             # [B, 1]
-            thresh[torch.tensor([k >= V for k in ks])] = float("-inf")
-            x = x.masked_fill(x < thresh, float("-inf"))
+            kth = probs.topk(kmax, dim=-1).values                             # [B, kmax]
+            thresh = kth.gather(1, torch.tensor([min(k, kmax) - 1 for k in ks])[:, None])
+            thresh[torch.tensor([k >= V for k in ks])] = 0.0
+            probs.mul_(probs >= thresh)
         tops = [p.top_p for p in P]
         if min(tops) < 1.0:
-            sx, si = x.sort(dim=-1, descending=True)
-            sp = sx.softmax(dim=-1)
-            # drop a token when the mass strictly before it already reaches top_p
-            drop = (sp.cumsum(dim=-1) - sp) >= torch.tensor(tops)[:, None]
-            x = x.scatter(1, si, sx.masked_fill(drop, float("-inf")))
-        probs = x.softmax(dim=-1)
+            self._top_p(probs, tops)
         min_ps = [p.min_p for p in P]
         if max(min_ps) > 0:
             cut = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps)[:, None]
-            probs = probs.masked_fill(probs < cut, 0.0)
-        noise = torch.empty_like(probs).exponential_()
+            probs.mul_(probs >= cut)
+        tokens = self._draw(probs, states)
+        for i, t in zip(bad.nonzero()[:, 0].tolist(), fallback):
+            tokens[i] = t
+        if argmaxes is not None:
+            tokens = [a if g else t for a, t, g in zip(argmaxes, tokens, greedy)]
+        return tokens
+
+    @staticmethod
+    def _top_p(probs: torch.Tensor, tops: Sequence[float], candidates: int = 256) -> None:
+        """In place on probs (unnormalized): zero, in each row whose top_p < 1, every token
+        the mass of the more likely tokens (after top-k) already reaches top_p of. The rows'
+        most likely `candidates` tokens come from one topk; a row whose mass is not reached
+        within them is sorted whole (a full sort of a 49k vocabulary: 2.5 ms, topk(256)
+        0.14)."""
+        V = probs.shape[1]
+        rows = torch.tensor([i for i, t in enumerate(tops) if t < 1.0])
+        sub = probs[rows]
+        mass = sub.sum(dim=-1, keepdim=True) * torch.tensor([t for t in tops if t < 1.0])[:, None]
+        sv, si = sub.topk(min(candidates, V), dim=-1)                       # descending
+        before = sv.cumsum(dim=-1) - sv
+        keep = torch.zeros_like(sub).scatter_(1, si, (before < mass).float())
+        short = (before[:, -1] + sv[:, -1] < mass[:, 0])     # mass not reached in the topk
+        if bool(short.any()):
+            sv, si = sub[short].sort(dim=-1, descending=True)
+            keep[short] = torch.zeros_like(sv).scatter_(
+                1, si, (sv.cumsum(dim=-1) - sv < mass[short]).float())
+        probs[rows] = sub.mul_(keep)
+
+    @staticmethod
+    def _draw(probs: torch.Tensor, states: Sequence[SamplingState]) -> list[int]:
+        """One token per row from its unnormalized probabilities (consumed): the first token
+        whose cumulative probability exceeds u times the row's total, u uniform in [0, 1)
+        from the request's own generator when it is seeded. One random number a row: the
+        exponential race this replaces drew one per vocabulary entry (0.76 ms a row here)."""
+        B, V = probs.shape
+        u = torch.rand(B, 1)
         for i, s in enumerate(states):
             if s.generator is not None:
-                noise[i].exponential_(generator=s.generator)
-        tokens = _argmax(probs / noise)
-        if any(greedy):
-            tokens = [a if g else t for a, t, g in zip(_argmax(logits), tokens, greedy)]
-        return tokens
+                u[i] = torch.rand(1, generator=s.generator)
+        cdf = probs.cumsum_(dim=-1)
+        total = cdf[:, -1:]
+        tok = torch.searchsorted(cdf, u * total, right=True)[:, 0]
+        over = tok >= V                   # u * total rounded up to the total (or NaN rows)
+        if bool(over.any()):
+            tok[over] = torch.searchsorted(cdf[over], total[over])[:, 0].clamp_(max=V - 1)
+        return tok.tolist()
 
     @staticmethod
     def logprobs(logits: torch.Tensor, tokens: Sequence[int], top_n: Sequence[int]

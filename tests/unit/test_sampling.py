@@ -130,3 +130,57 @@ def test_greedy_fast_path_keeps_the_min_tokens_mask_until_it_lapses():
     assert not SamplingState.create(SamplingParams(temperature=0, bad_token_ids=(4,))).plain_greedy
     assert not SamplingState.create(SamplingParams(temperature=0,
                                                    repetition_penalty=1.2)).plain_greedy
+
+
+def _top_p_support(logits_row: torch.Tensor, top_p: float) -> set[int]:
+    """The tokens top_p keeps by its definition: sorted by probability, a token is dropped
+    when the mass strictly before it already reaches top_p."""
+    p = logits_row.softmax(dim=-1)
+    sp, si = p.sort(descending=True)
+    keep = (sp.cumsum(dim=0) - sp) < top_p
+    return set(si[keep].tolist())
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.97])
+def test_top_p_past_the_candidates_sorts_the_row_whole(top_p):
+    """The top-p mass is looked for among a row's 256 most likely tokens first; a flat row
+    (over 900 tokens needed at 0.97) is sorted whole. Either way the draws stay inside the
+    tokens the definition keeps, and reach past the first 256 when the definition does."""
+    vocab = 2048
+    logits = torch.full((400, vocab), float("-inf"))
+    logits[:, :1200] = torch.linspace(0.0, 2.0, 1200)     # distinct, gently sloped
+    allowed = _top_p_support(logits[0], top_p)
+    states = [SamplingState.create(SamplingParams(top_p=top_p)) for _ in range(400)]
+    out = Sampler()(logits, states, [[1]] * 400, [1] * 400)
+    assert set(out) <= allowed
+    if len(allowed) > 256:
+        assert len(set(out)) > 256
+    peaked = torch.randn(1, vocab) * 8                   # mass reached within the candidates
+    out = Sampler()(peaked.repeat(200, 1), [SamplingState.create(SamplingParams(top_p=0.5))
+                                            for _ in range(200)], [[1]] * 200, [1] * 200)
+    assert set(out) <= _top_p_support(peaked[0], 0.5)
+
+
+def test_rows_with_nothing_to_draw_from_take_their_argmax():
+    """A sampled row whose logits are all -inf or hold a NaN cannot be drawn from: it takes
+    the argmax (as torch.argmax picks it) and the rows beside it sample as usual."""
+    logits = torch.zeros(3, V)
+    logits[0] = float("-inf")
+    logits[1, 4] = float("nan")
+    logits[2, 9] = 50.0
+    out = run(logits, [SamplingParams(temperature=1.0)] * 3)
+    assert out == [0, 4, 9]
+
+
+def test_seeded_draws_repeat_and_follow_the_distribution():
+    """One uniform number a row from the request's generator: the same seed gives the same
+    tokens, and draws over many seeds follow the softmax."""
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    logits = torch.full((1, V), float("-inf"))
+    logits[0, :4] = probs.log()
+    draw = lambda seed: [Sampler()(logits, [st], [[1]], [1])[0]     # noqa: E731
+                         for st in [SamplingState.create(SamplingParams(seed=seed))]
+                         for _ in range(5)]
+    assert draw(7) == draw(7)
+    out = torch.tensor([draw(s)[0] for s in range(2000)])
+    assert torch.allclose(torch.bincount(out, minlength=4)[:4].float() / 2000, probs, atol=0.04)

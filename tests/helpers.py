@@ -250,8 +250,8 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
         # max|x of the group| / (2 * 127 * 128) off each element (linear_int4_a8.cpp)
         bound = rows16_digits_bound(x, qw)
         excess = (out.double() - ref.double()).abs() - bound - tol * scale
-        assert (excess <= 0).all(), f"int4_a8 x{tuple(x.shape)} w{tuple(w.shape)}: " \
-                                    f"{excess.max().item():.3g} over the digits' bound"
+        assert (excess <= 0).all(), (f"int4_a8 x{tuple(x.shape)} w{tuple(w.shape)}: "
+                                     f"{excess.max().item():.3g} over the digits' bound")
         return
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol * scale, f"{scheme} g={gs} x{tuple(x.shape)} w{tuple(w.shape)}: " \

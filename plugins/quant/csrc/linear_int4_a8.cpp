@@ -75,8 +75,8 @@ constexpr int64_t kChunk = 256;   // packed bytes per (block, group)
 // (0.44 vs 0.53); W4A8 (one digit) 0.72 and 0.79.
 constexpr int kRows16Digits = 2;
 // rows of x per tile, by digits per activation (accumulators: MR * ND * 2 registers; AVX2's
-// 2 rows of three digits spill a few of them, and still beat 1 row: 4 rows of x 0.76 -> 1.09x
-// the float decoder on SmolLM2's w13)
+// 2 rows of three digits spilled a few of them, and still beat 1 row: 4 rows of x 0.76 ->
+// 1.09x the float decoder on SmolLM2's w13, measured with three digits)
 template <int ND>
 constexpr int kMR = KILN_W4A8_VNNI ? (ND == 1 ? 4 : 2) : 2;
 // Software prefetch, in groups ahead of the one being multiplied (16 = 4 KiB; past a block's
@@ -90,7 +90,8 @@ constexpr int64_t kPrefetchGroups = 16;
 // c = s * sum(q). Same arithmetic as quantize_activation_groups in ops.py. With ND > 1 the
 // residuals of x / s take more digits, q1 = round((x / s - q0) * 128), q2 likewise
 // (exact in float: each residual is at most half an integer), s carries the 128^-(ND-1)
-// the digits are combined with (kDigitUnit), and c is the group's float sum of x. q: ND rows of K digits.
+// the digits are combined with (kDigitUnit), and c is the group's float sum of x. q: ND
+// rows of K digits.
 // At one row of x this runs on one thread before the GEMV's fork, so it is vectorized: the
 // scalar loop (a division and up to three roundings per value) took about 8% of the int4
 // plan's batch-1 step (perf, 120 calls a step) while the other thread waited.

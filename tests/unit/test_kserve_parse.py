@@ -48,9 +48,26 @@ def test_parse_maps_ensemble_inputs(raw):
                     return_log_probs=("BOOL", [1, 1], [False])), 100)
     p = job.params
     assert (job.id, job.prompt, job.stream, job.exclude_input) == ("7", "hello", True, False)
-    assert (p.max_tokens, p.temperature, p.top_p, p.min_tokens, p.seed) == (5, 0.5, 1.0, 2, 2**63)
+    # top_k and top_p 0: TensorRT-LLM's greedy search, the temperature notwithstanding
+    assert (p.max_tokens, p.temperature, p.top_p, p.min_tokens, p.seed) == (5, 0.0, 1.0, 2, 2**63)
     assert p.stop == ("x", "yz") and p.stop_token_ids == (3,) and p.ignore_eos
     assert job.outputs == ["text_output", "num_output_tokens"]
+
+
+@pytest.mark.parametrize("extra, temperature, top_k, top_p", [
+    ({}, 0.0, 0, 1.0),                                                   # genai-perf's request
+    (dict(temperature=("FP32", [1, 1], [0.7])), 0.0, 0, 1.0),
+    (dict(top_k=("INT32", [1, 1], [0]), top_p=("FP32", [1, 1], [0.0])), 0.0, 0, 1.0),
+    (dict(top_k=("INT32", [1, 1], [40])), 1.0, 40, 1.0),
+    (dict(top_k=("INT32", [1, 1], [40]), temperature=("FP32", [1, 1], [0.7])), 0.7, 40, 1.0),
+    (dict(top_p=("FP32", [1, 1], [0.9]), temperature=("FP32", [1, 1], [0.7])), 0.7, 0, 0.9),
+    (dict(top_p=("FP32", [1, 1], [0.9]), temperature=("FP32", [1, 1], [0.0])), 0.0, 0, 0.9),
+])
+def test_parse_greedy_unless_top_k_or_top_p(extra, temperature, top_k, top_p):
+    """TensorRT-LLM's defaults: a request that asks for neither top-k nor top-p sampling is
+    decoded greedily, as Triton's TensorRT-LLM backend decodes it."""
+    p = parse(req(**BASE, **extra), 100).params
+    assert (p.temperature, p.top_k, p.top_p) == pytest.approx((temperature, top_k, top_p))
 
 
 @pytest.mark.parametrize("tensors, reason", [

@@ -148,7 +148,10 @@ lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
 print(kernel_path(lib))
 g = torch.Generator().manual_seed(0)
-for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96)]:
+# (17, 48, 128), (40, 96, 576): the batched int8 GEMM's tiles (amx level) with a tail of
+# x rows and of weight rows; K = 200 and 96 are not whole tiles (_int_mm)
+for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96),
+                (17, 48, 128), (40, 96, 576)]:
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     qw = formats.quantize(w, "int8")
     out = ops.quant_linear(x, qw, b, activations="int8")
@@ -193,6 +196,7 @@ def test_quant_kernels_match_references_at_every_level(level):
     want = {"none": "w8a8: scalar", "avx2": "w8a8: avx2", "avx512": "w8a8: avx2"}.get(
         level, "w8a8: avx512-vnni")
     assert want in path and want.replace("w8a8", "w4a8") in path, path
+    assert ("amx tiles" in path) == (level == "amx"), path   # AMX code at that level only
 
 
 ATTENTION = r"""

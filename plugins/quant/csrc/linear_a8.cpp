@@ -5,17 +5,21 @@
 //   wq, sw: the int8 per-output-channel weights of linear_int8.
 //
 // The integer dot products: int8_dot.h (VNNI vpdpbusd / AVX2 vpmaddubsw / scalar).
-// From kIntMmMinM rows of x on, the integer GEMM is ATen's _int_mm (oneDNN's s8 GEMM, which
-// picks VNNI/AMX micro-kernels for the machine it runs on): measured on SmolLM2's w13
-// (3072 x 576), 2 threads, AVX-512 VNNI host: M=1 this kernel 17 us vs 83 us; M=4 48 vs 41;
-// M=32 244 vs 86 (bench_results/w8a8_vs_libraries.log). Both give the same integers.
+// From kIntMmMinM rows of x on, the integer GEMM is int8_gemm.h's: AMX tiles at the amx
+// level, else ATen's _int_mm (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the
+// machine it runs on): measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
+// M=1 this kernel 17 us vs 83 us; M=4 48 vs 41; M=32 244 vs 86
+// (bench_results/w8a8_vs_libraries.log). All give the same integers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "int8_dot.h"
+#include "int8_gemm.h"
 
-#if KILN_INT8_DOT_VNNI
+#if KILN_INT8_GEMM_AMX
+#define KILN_A8_PATH "w8a8: avx512-vnni vpdpbusd, from 4 rows amx tiles"
+#elif KILN_INT8_DOT_VNNI
 #define KILN_A8_PATH "w8a8: avx512-vnni vpdpbusd"
 #elif KILN_INT8_DOT_AVX2
 #define KILN_A8_PATH "w8a8: avx2 vpmaddubsw"
@@ -62,7 +66,7 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
 
   if (M >= kIntMmMinM && K >= 8 && N >= 8) {   // a [N, 1] or [1, K] weight's transpose has
                                                // strides oneDNN misreads (garbage, no error)
-    const at::Tensor acc = at::_int_mm(at::from_blob(qx.q.data(), {M, K}, at::kChar), qweight.t());
+    const at::Tensor acc = int8_gemm(qx.q.data(), M, qweight.data_ptr<int8_t>(), N, K);
     const int32_t* a = acc.data_ptr<int32_t>();
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)

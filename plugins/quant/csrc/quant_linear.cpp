@@ -24,11 +24,16 @@
 #include "../../csrc/parallel.h"
 #include "../../csrc/prefetch.h"
 #include "int8_dot.h"   // before the path macros below: they read KILN_INT8_DOT_VNNI
+#include "int8_gemm.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
-#if KILN_INT8_DOT_VNNI
+#if KILN_INT8_GEMM_AMX
+#define KILN_QUANT_PATH                                                                     \
+  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits, int8 from " \
+  "8 rows on amx tiles"
+#elif KILN_INT8_DOT_VNNI
 #define KILN_QUANT_PATH \
   "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"
 #else
@@ -447,8 +452,8 @@ constexpr int kXDigits = 3;
 constexpr int64_t kInt8DigitsMaxM = 2;
 
 // From kTileMinM rows of x (prefill, big batches) the same digits go as int8 rows [3M, K]
-// through ATen's _int_mm (oneDNN's s8 GEMM, VNNI or AMX micro-kernels as the machine has
-// them): the same integers, no weight decoded to float. The dequantize-tile path it replaces
+// through int8_gemm.h (AMX tiles at the amx level, else ATen's _int_mm: oneDNN's s8 GEMM):
+// the same integers, no weight decoded to float. The dequantize-tile path it replaces
 // ran 1.25-1.9x slower than fp32's own sgemm at 32 rows on an AVX-512/AMX Xeon (SmolLM2's
 // shapes, weights in cache), so the int8 plan's batch-32 step was slower than the fp32 plan's.
 at::Tensor int8_digits(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
@@ -477,7 +482,7 @@ at::Tensor int8_digits(const at::Tensor& x, const at::Tensor& qweight, const at:
     });
   } else {
     const at::Tensor acc =
-        at::_int_mm(at::from_blob(qx.q.data(), {M * kXDigits, K}, at::kChar), qweight.t());
+        kiln_int8::int8_gemm(qx.q.data(), M * kXDigits, qweight.data_ptr<int8_t>(), N, K);
     const int32_t* a = acc.data_ptr<int32_t>();
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)

@@ -1,0 +1,216 @@
+// The int8 GEMM behind the batched paths of kiln::linear_int8_a8 (W8A8, linear_a8.cpp) and
+// kiln::linear_int8 (x's digits, quant_linear.cpp):
+//
+//   acc[m, n] = sum_k a[m, k] * w[n, k]      a: [M, K] int8, w: [N, K] int8 (row-major),
+//                                            acc: [M, N] int32 (exact: K * 128 * 128 < 2^31)
+//
+// At the `amx` ISA level (the plan's code is compiled with -mamx-int8) on AMX tiles; elsewhere,
+// and for shapes the tiles do not take, ATen's _int_mm (oneDNN's s8 GEMM). Same integers
+// either way. oneDNN re-lays the weight out on every call (it has no packed copy to keep in
+// an AOTInductor plan): SmolLM2's tied lm_head (49152 x 576) took 1.6 ms at 4 rows of x and
+// 2.0 ms at 32 on an AMX Xeon, against 0.57 ms at 3 rows in the VNNI GEMV.
+//
+// The tiles run the weight as the A operand, so it needs no re-layout at all: a tile is 16
+// weight rows x 64 k, loaded straight from w with stride K. x is the B operand, laid out once
+// per call in VNNI order (per 16 rows of x and 64 k: 16 rows of (16 x-rows x 4 k) bytes; rows
+// of x past M are zeros). Each task takes 32 weight rows (2 A tiles) against 32 rows of x at a
+// time (2 B tiles, in L1 after the first task), accumulating 4 C tiles of 16 x 16 int32 over
+// K; each C tile (weight rows x x-rows) is stored transposed into acc. Weights are read from
+// memory once per call whatever M is.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "../../csrc/parallel.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KILN_INT8_GEMM_AMX 1
+#else
+#define KILN_INT8_GEMM_AMX 0
+#endif
+
+namespace kiln_int8 {
+
+#if KILN_INT8_GEMM_AMX
+
+// Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM
+// for XFEATURE_XTILEDATA); without it the first tile instruction faults. Asked once; where
+// the kernel refuses, the GEMM stays on _int_mm.
+inline bool amx_ready() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: C (16 weight rows x 16 x-rows, int32), tmm4-5: A (16 weight rows x 64 k),
+// tmm6-7: B (16 x 4k-groups x (16 x-rows x 4 k)): every tile 16 rows of 64 bytes.
+inline const TileConfig& tile_config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  return cfg;
+}
+
+// x [M, K] int8 -> B tiles: for each block of 16 rows of x and each 64 k, 1 KiB whose row p
+// holds, for x-rows j = 0..15, the 4 bytes x[16 b + j, 64 c + 4 p .. + 3] (zeros past M).
+inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K) {
+  const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
+  std::vector<int8_t> b(static_cast<size_t>(mblocks * kchunks * 1024), 0);
+  for (int64_t mb = 0; mb < mblocks; ++mb)
+    for (int64_t j = 0; j < 16 && mb * 16 + j < M; ++j) {
+      const int8_t* row = x + (mb * 16 + j) * K;
+      for (int64_t c = 0; c < kchunks; ++c) {
+        int8_t* tile = b.data() + (mb * kchunks + c) * 1024;
+        for (int p = 0; p < 16; ++p) std::memcpy(tile + p * 64 + j * 4, row + c * 64 + p * 4, 4);
+      }
+    }
+  return b;
+}
+
+// acc[m0 + j, n0 + i] = C[i][j] for the first cols_m columns of one C tile (stored to buf):
+// a 16 x 16 transpose of int32 in registers (32-bit, then 64-bit interleaves within 128-bit
+// lanes, then two rounds of 128-bit lane shuffles), each column then one 64-byte store.
+inline void store_transposed(const int32_t* buf, int64_t n0, int64_t m0, int64_t cols_m,
+                             int32_t* acc, int64_t N) {
+  __m512i a[16], b[16], c[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_load_si512(buf + i * 16);
+  for (int k = 0; k < 8; ++k) {
+    b[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    b[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {   // c[4k + q], lane L: rows 4k..4k+3 of column 4L + q
+    c[4 * k + 0] = _mm512_unpacklo_epi64(b[4 * k], b[4 * k + 2]);
+    c[4 * k + 1] = _mm512_unpackhi_epi64(b[4 * k], b[4 * k + 2]);
+    c[4 * k + 2] = _mm512_unpacklo_epi64(b[4 * k + 1], b[4 * k + 3]);
+    c[4 * k + 3] = _mm512_unpackhi_epi64(b[4 * k + 1], b[4 * k + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {   // column 4L + q: lane L of c[q], c[4 + q], c[8 + q], c[12 + q]
+    const __m512i d0 = _mm512_shuffle_i32x4(c[q], c[4 + q], 0x44);
+    const __m512i d1 = _mm512_shuffle_i32x4(c[q], c[4 + q], 0xEE);
+    const __m512i d2 = _mm512_shuffle_i32x4(c[8 + q], c[12 + q], 0x44);
+    const __m512i d3 = _mm512_shuffle_i32x4(c[8 + q], c[12 + q], 0xEE);
+    const __m512i col[4] = {_mm512_shuffle_i32x4(d0, d2, 0x88), _mm512_shuffle_i32x4(d0, d2, 0xDD),
+                            _mm512_shuffle_i32x4(d1, d3, 0x88), _mm512_shuffle_i32x4(d1, d3, 0xDD)};
+    for (int L = 0; L < 4; ++L) {
+      const int64_t j = 4 * L + q;
+      if (j < cols_m) _mm512_storeu_si512(acc + (m0 + j) * N + n0, col[L]);
+    }
+  }
+}
+
+// 32 weight rows [n0, n0 + 32) (both A tiles valid) against every block pair of x.
+inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
+                       int32_t* acc, int64_t N) {
+  const int64_t kchunks = K / 64, mblocks = (M + 15) / 16;
+  alignas(64) int32_t buf[4][256];
+  for (int64_t mb = 0; mb < mblocks; mb += 2) {
+    const bool two = mb + 1 < mblocks;
+    const int8_t* b0 = b + mb * kchunks * 1024;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    if (two) {
+      const int8_t* b1 = b0 + kchunks * 1024;
+      for (int64_t c = 0; c < kchunks; ++c) {
+        _tile_loadd(4, w + n0 * K + c * 64, K);
+        _tile_loadd(5, w + (n0 + 16) * K + c * 64, K);
+        _tile_loadd(6, b0 + c * 1024, 64);
+        _tile_loadd(7, b1 + c * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+    } else {   // the last 16 rows of x (or fewer): tiles 1 and 3 stay zero, unused
+      for (int64_t c = 0; c < kchunks; ++c) {
+        _tile_loadd(4, w + n0 * K + c * 64, K);
+        _tile_loadd(5, w + (n0 + 16) * K + c * 64, K);
+        _tile_loadd(6, b0 + c * 1024, 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(2, 5, 6);
+      }
+    }
+    _tile_stored(0, buf[0], 64);
+    _tile_stored(1, buf[1], 64);
+    _tile_stored(2, buf[2], 64);
+    _tile_stored(3, buf[3], 64);
+    const int64_t m0 = mb * 16, cols0 = std::min<int64_t>(16, M - m0);
+    store_transposed(buf[0], n0, m0, cols0, acc, N);
+    store_transposed(buf[2], n0 + 16, m0, cols0, acc, N);
+    if (two) {
+      const int64_t cols1 = std::min<int64_t>(16, M - m0 - 16);
+      store_transposed(buf[1], n0, m0 + 16, cols1, acc, N);
+      store_transposed(buf[3], n0 + 16, m0 + 16, cols1, acc, N);
+    }
+  }
+}
+
+// The last N % 32 weight rows: scalar dot products (at most 31 rows).
+inline void scalar_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* x,
+                        int64_t M, int32_t* acc, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < K; ++k) s += int32_t(x[m * K + k]) * int32_t(w[n * K + k]);
+      acc[m * N + n] = s;
+    }
+}
+
+#endif  // KILN_INT8_GEMM_AMX
+
+// Whether int8_gemm runs on AMX tiles for these shapes (else _int_mm).
+inline bool int8_gemm_on_tiles(int64_t M, int64_t N, int64_t K) {
+#if KILN_INT8_GEMM_AMX
+  return M > 0 && N >= 32 && K >= 64 && K % 64 == 0 && amx_ready();
+#else
+  (void)M, (void)N, (void)K;
+  return false;
+#endif
+}
+
+// -> acc [M, N] int32 (see the top of this file). oneDNN misreads the strides of a [N, 1] or
+// [1, K] weight's transpose (garbage, no error): callers keep K and N >= 8 on that path.
+inline at::Tensor int8_gemm(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K) {
+#if KILN_INT8_GEMM_AMX
+  if (int8_gemm_on_tiles(M, N, K)) {
+    at::Tensor out = at::empty({M, N}, at::TensorOptions().dtype(at::kInt));
+    int32_t* acc = out.data_ptr<int32_t>();
+    const std::vector<int8_t> b = pack_b(x, M, K);
+    const int64_t blocks = N / 32;
+    kiln::parallel_chunks(blocks, 4, [&](int64_t i0, int64_t i1) {
+      _tile_loadconfig(&tile_config());
+      for (int64_t i = i0; i < i1; ++i) amx_rows32(w, i * 32, K, b.data(), M, acc, N);
+      _tile_release();
+    });
+    scalar_rows(w, blocks * 32, N, K, x, M, acc, N);
+    return out;
+  }
+#endif
+  return at::_int_mm(
+      at::from_blob(const_cast<int8_t*>(x), {M, K}, at::kChar),
+      at::from_blob(const_cast<int8_t*>(w), {N, K}, at::kChar).t());
+}
+
+}  // namespace kiln_int8

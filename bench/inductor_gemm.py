@@ -25,27 +25,16 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.linear_kernels import best_us             # noqa: E402
 from plugins.quant import formats, kernels, ops   # noqa: E402
 
 SHAPES = [(3072, 576), (576, 1536)]   # w13, w2 (out x in)
 SETTINGS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-
-
-def best_us(fn, n: int, reps: int = 7) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best * 1e6
 
 
 class AddOne(torch.nn.Module):

@@ -20,6 +20,7 @@ the output tokens of its delta (their sum is the total).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -154,11 +155,6 @@ def parse(request, max_tokens_limit: int) -> KServeRequest:
                             "frequency_penalty") if k in v}
     if "top_p" in v:
         kw["top_p"] = v["top_p"] if v["top_p"] > 0 else 1.0
-    if v.get("top_k", 0) <= 0 and v.get("top_p", 0.0) <= 0:
-        # TensorRT-LLM's rule, which its Triton clients rely on: top_k 0 and top_p 0 (both
-        # their defaults) is greedy search, whatever the temperature; genai-perf and
-        # perf_analyzer send neither
-        kw["temperature"] = 0.0
     if "min_tokens" in v or "min_length" in v:
         kw["min_tokens"] = v.get("min_tokens", v.get("min_length"))
     if "seed" in v or "random_seed" in v:
@@ -171,6 +167,11 @@ def parse(request, max_tokens_limit: int) -> KServeRequest:
     try:
         kw["guided"] = _guided(v)
         params = SamplingParams(max_tokens=max_tokens, **kw)
+        if v.get("top_k", 0) <= 0 and v.get("top_p", 0.0) <= 0:
+            # TensorRT-LLM's rule, which its Triton clients rely on: top_k 0 and top_p 0 (both
+            # their defaults) is greedy search, whatever the (valid) temperature; genai-perf
+            # and perf_analyzer send neither
+            params = dataclasses.replace(params, temperature=0.0)
     except FieldError as e:         # a SamplingParams field is a request input of that name
         raise invalid(f"input {e.field} {e.problem}")
     except ValueError as e:

@@ -79,6 +79,7 @@ def test_parse_greedy_unless_top_k_or_top_p(extra, temperature, top_k, top_p):
     (dict(BASE, max_tokens=("INT32", [1, 1], [101])), "max_tokens = 101"),
     (dict(BASE, text_input=("BYTES", [1, 1], [b"\xff\xfe"])), "not valid UTF-8"),
     (dict(BASE, top_k=("INT32", [1, 1], [-5])), "top_k"),
+    (dict(BASE, temperature=("FP32", [1, 1], [-1.0])), "temperature"),   # greedy or not
     (dict(BASE, return_log_probs=("BOOL", [1, 1], [True])), "not served"),
     (dict(BASE, beam_width=("INT32", [1, 1], [4])), "beam_width = 4"),
 ])

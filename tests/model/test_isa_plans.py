@@ -148,10 +148,11 @@ lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
 print(kernel_path(lib))
 g = torch.Generator().manual_seed(0)
-# (17, 48, 128), (40, 96, 576): the batched int8 GEMM's tiles (amx level) with a tail of
-# x rows and of weight rows; K = 200 and 96 are not whole tiles (_int_mm)
+# (17, 48, 128), (40, 96, 576): the amx level's tiles (the batched int8 GEMM, W4A8 from 16
+# rows) with tails of x rows and weight rows; (20, 32, 96): an odd number of W4A8 groups; K =
+# 200 and 96 are not whole int8 tiles (_int_mm)
 for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96),
-                (17, 48, 128), (40, 96, 576)]:
+                (17, 48, 128), (40, 96, 576), (20, 32, 96)]:
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     qw = formats.quantize(w, "int8")
     out = ops.quant_linear(x, qw, b, activations="int8")

@@ -24,6 +24,8 @@
 //     (int16 sums of 16 products stay below 2^15: 16 * 15 * 127 = 30,480) and one vpmaddwd
 //     per group into int32.
 //   otherwise: scalar loops (same integers, same float arithmetic per group).
+//   AMX (the amx level, W4A8 from kAmxMinRows rows of x): one tdpbsud per group and 16 rows
+//     of x (block_amx below); the float arithmetic per group as on VNNI.
 // Parallel over blocks of 16 weight rows; each block's packed weights (K/32 * 256 bytes)
 // stay in L1 while every tile of x rows passes over them, and the weights 16 groups ahead
 // are prefetched (kPrefetchGroups), and 64 KiB ahead into L2 (plugins/csrc/prefetch.h).

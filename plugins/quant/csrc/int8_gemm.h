@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 
 #include "../../csrc/parallel.h"
+#include "int8_dot.h"   // dot_scalar
 
 #include <algorithm>
 #include <cstdint>
@@ -171,11 +172,7 @@ inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, 
 inline void scalar_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* x,
                         int64_t M, int32_t* acc, int64_t N) {
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = n0; n < n1; ++n) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += int32_t(x[m * K + k]) * int32_t(w[n * K + k]);
-      acc[m * N + n] = s;
-    }
+    for (int64_t n = n0; n < n1; ++n) acc[m * N + n] = dot_scalar(x + m * K, w + n * K, 0, K);
 }
 
 #endif  // KILN_INT8_GEMM_AMX

@@ -216,16 +216,23 @@ def test_errors_in_openai_format(server):
 
 
 def test_32_streaming_chats_a_quarter_closed_early_free_all_blocks(server):
-    """Streams closed by their client are cancelled and free their blocks (KV metrics)."""
+    """Streams closed by their client are cancelled and free their blocks (KV metrics). Half
+    of the 8 leave after their first token, half as soon as the response has started. A stream
+    the engine finished before its client left is counted by its finish reason, not as
+    cancelled (CI saw all 8 late leavers finish first): each round checks that every request
+    is counted once, and rounds repeat until a close lands while the engine generates."""
     async def one(c, i):
         stream = await c.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"story {i} " * (i % 3 + 1)}],
-            max_tokens=180 if i % 4 == 0 else 120, temperature=0.7, seed=i, stream=True,
+            max_tokens=200 if i % 4 == 0 else 120, temperature=0.7, seed=i, stream=True,
             extra_body={"ignore_eos": True})
+        if i % 8 == 4:
+            await stream.close()          # headers received: the request is in the engine
+            return "closed"
         got = 0
         async for ch in stream:
             got += bool(ch.choices and ch.choices[0].delta.content)
-            if i % 4 == 0 and got >= 2:
+            if i % 4 == 0 and got >= 1:
                 await stream.close()      # the client goes away mid-stream
                 return "closed"
         return ch.choices[0].finish_reason
@@ -235,12 +242,22 @@ def test_32_streaming_chats_a_quarter_closed_early_free_all_blocks(server):
                 limits=httpx.Limits(max_connections=64))) as c:
             return await asyncio.gather(*(one(c, i) for i in range(32)))
 
-    cancelled = server.labelled("kiln_requests_total", 'outcome="cancelled"')
-    results = asyncio.run(main())
-    assert results.count("closed") == 8 and results.count("length") == 24, results
-    assert server.wait_idle()["kiln_queue_length"] == 0
-    # a stream the engine finished before its client left is not cancelled: at least one is
-    assert server.labelled("kiln_requests_total", 'outcome="cancelled"') > cancelled
+    def counts():
+        return {k: server.labelled("kiln_requests_total", f'outcome="{k}"')
+                for k in ("cancelled", "length")}
+
+    for _ in range(3):
+        before = counts()
+        results = asyncio.run(main())
+        assert results.count("closed") == 8 and results.count("length") == 24, results
+        assert server.wait_idle()["kiln_queue_length"] == 0
+        after = counts()
+        cancelled = after["cancelled"] - before["cancelled"]
+        assert cancelled + after["length"] - before["length"] == 32, (before, after)
+        if cancelled:
+            break
+    else:
+        raise AssertionError("no stream closed by its client was cancelled in 3 rounds")
 
 
 def test_non_streamed_request_of_a_gone_client_is_cancelled(server):

@@ -148,6 +148,16 @@ lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
 print(kernel_path(lib))
 g = torch.Generator().manual_seed(0)
+
+
+def alone(x, q, b):   # each row of x through the W8A8 / W4A8 op by itself
+    return torch.cat([ops.quant_linear(x[i:i + 1], q, b, activations="int8")
+                      for i in range(x.shape[0])])
+
+
+# W8A8 and W4A8 re-quantize every layer's output, so an ulp of difference compounds over the
+# layers: a row's result must be bit for bit the one it gets alone, on every path (AMX tiles
+# from 4 / 16 rows, VNNI tiles of 1-4 rows).
 # (17, 48, 128), (40, 96, 576): the amx level's tiles (the batched int8 GEMM, W4A8 from 16
 # rows) with tails of x rows and weight rows; (20, 32, 96): an odd number of W4A8 groups; K =
 # 200 and 96 are not whole int8 tiles (_int_mm)
@@ -158,6 +168,7 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
     out = ops.quant_linear(x, qw, b, activations="int8")
     ref = ops.linear_int8_a8_reference(x, qw.qweight, qw.scales, b)
     assert (out - ref).abs().max() <= 1e-6 * ref.abs().max(), ("w8a8", m, n, k)
+    assert torch.equal(out, alone(x, qw, b)), ("w8a8 batch invariance", m, n, k)
     if k % 32 == 0:
         for scheme in ("int8", "int4", "fp8", "bf16", "fp32"):
             q = formats.quantize(w, scheme, 32 if scheme == "int4" else None)
@@ -177,6 +188,7 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
             out = ops.quant_linear(rows, q, b, activations="int8")
             ref = ops.linear_int4_a8_reference(rows, q.qweight, q.scales, q.zeros, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), ("w4a8", m, n, k)
+            assert torch.equal(out, alone(rows, q, b)), ("w4a8 batch invariance", m, n, k)
             out = ops.quant_linear(rows, q, b)   # x as two int8 digits: their own bound
             ref = ops.linear_int4_rows16_reference(rows, q.qweight, q.scales, q.zeros, b)
             excess = ((out - ref).abs().double() - rows16_digits_bound(rows, q)

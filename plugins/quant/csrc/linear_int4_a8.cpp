@@ -24,6 +24,8 @@
 //     (int16 sums of 16 products stay below 2^15: 16 * 15 * 127 = 30,480) and one vpmaddwd
 //     per group into int32.
 //   otherwise: scalar loops (same integers, same float arithmetic per group).
+//   AMX (the amx level, W4A8 from kAmxMinRows rows of x): one tdpbsud per group and 16 rows
+//     of x (block_amx below); the float arithmetic per group as on VNNI.
 // Parallel over blocks of 16 weight rows; each block's packed weights (K/32 * 256 bytes)
 // stay in L1 while every tile of x rows passes over them, and the weights 16 groups ahead
 // are prefetched (kPrefetchGroups), and 64 KiB ahead into L2 (plugins/csrc/prefetch.h).
@@ -37,6 +39,7 @@
 
 #include "../../csrc/parallel.h"
 #include "../../csrc/prefetch.h"
+#include "int8_gemm.h"   // amx_ready
 
 #include <algorithm>
 #include <cmath>
@@ -44,7 +47,18 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
+#define KILN_W4A8_AMX 1
+#else
+#define KILN_W4A8_AMX 0
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && KILN_W4A8_AMX
+#include <immintrin.h>
+#define KILN_W4A8_PATH "w4a8: avx512-vnni vpdpbusd, from 16 rows amx tiles"
+#define KILN_W4A8_VNNI 1
+#define KILN_W4A8_AVX2 0
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define KILN_W4A8_PATH "w4a8: avx512-vnni vpdpbusd"
 #define KILN_W4A8_VNNI 1
@@ -394,6 +408,95 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
 }
 #endif
 
+#if KILN_W4A8_AMX
+// W4A8 from kAmxMinRows rows of x on AMX tiles (the amx level). Unpacked, a (block, group)'s
+// four chunks are a B tile as it is: chunk c's low nibbles are 16 weight rows x k = 8c..8c+3,
+// its high nibbles k = 8c+4..8c+7 -- row 2c and 2c+1 of an 8-row tile (16 columns of 4 k,
+// k in order), so x is the A operand straight from its [M, K] codes (16 rows x the group's
+// 32 bytes, stride K) and one tdpbsud (s8 x, u8 weights) gives a group's I[m, n] for 16 rows
+// of x and the block's 16 weight rows. Each group's sums then take its scales in floats with
+// block_tile's operations in block_tile's order (fd += I * (d * sx), fm += mn * cx, y = (fd +
+// fm) + bias), so a row's result is bit for bit the one it gets in a tile of 1-4 rows: a W4A8
+// plan re-quantizes every layer's output, and a one-ulp difference there flips activation codes
+// that compound over the layers (a first version summed both terms into one accumulator: the
+// SmolLM2 throughput plan's logits moved by up to 1.9 and its golden prompt lost its answer).
+// Rows of x past M read the zero rows the caller pads xq with.
+constexpr int64_t kAmxMinRows = 16;
+
+struct alignas(64) W4A8TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  // two sets (even and odd groups): tmm0/3 C (16 x 16 int32), tmm1/4 A (x: 16 rows x 32 k),
+  // tmm2/5 B (the weights: 8 rows of 16 x 4 k)
+  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
+  uint8_t rows[16] = {16, 16, 8, 16, 16, 8};
+};
+
+// One group's integer sums for 16 rows of x from m0, into tile TC (the tiles run them while
+// the core scales the group before), and the sums of tile TC times the group's scales into
+// the rows' float accumulators f. Macros: the tile intrinsics take literal tile numbers.
+#define KILN_GROUP_SUMS(TC, TA, TB, g)                             \
+  do {                                                             \
+    _tile_zero(TC);                                                \
+    _tile_loadd(TA, a.xq + m0 * a.K + (g) * kGroup, a.K);          \
+    _tile_loadd(TB, unpacked + (g) * 512, 64);                     \
+    _tile_dpbsud(TC, TA, TB);                                      \
+  } while (0)
+#define KILN_GROUP_SCALE(TC, g)                                    \
+  do {                                                             \
+    _tile_stored(TC, sums, 64);                                    \
+    group_scale(a, db, mb, m0, mr, (g), sums, fd, fm);             \
+  } while (0)
+
+inline void group_scale(const Args& a, const uint16_t* db, const uint16_t* mb, int64_t m0,
+                        int64_t mr, int64_t g, const int32_t* sums, __m512* fd, __m512* fm) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g * kRows)));
+  const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mb + g * kRows)));
+  for (int r = 0; r < 16; ++r) {
+    if (r >= mr) break;
+    const int64_t i = (m0 + r) * a.G + g;
+    const __m512 acc = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
+    fd[r] = _mm512_fmadd_ps(acc, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[i])), fd[r]);
+    fm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.cx[i]), fm[r]);
+  }
+}
+
+void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  const uint8_t* wb = a.qw + rb * a.G * kChunk;
+  const uint16_t* db = a.d + rb * a.G * kRows;
+  const uint16_t* mb = a.mn + rb * a.G * kRows;
+  for (int64_t g = 0; g < a.G; ++g)     // the block's B tiles, 512 bytes a group
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(wb + g * kChunk + 64 * c);
+      _mm512_storeu_si512(unpacked + g * 512 + 128 * c, _mm512_and_si512(v, mask));
+      _mm512_storeu_si512(unpacked + g * 512 + 128 * c + 64,
+                          _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    }
+  alignas(64) int32_t sums[256];
+  const int64_t G = a.G;
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t mr = std::min<int64_t>(16, M - m0);
+    __m512 fd[16], fm[16];
+    for (int r = 0; r < 16; ++r) fd[r] = fm[r] = _mm512_setzero_ps();
+    KILN_GROUP_SUMS(0, 1, 2, 0);
+    for (int64_t g = 0; g < G; g += 2) {   // group g on tiles 0-2, g + 1 on 3-5
+      if (g + 1 < G) KILN_GROUP_SUMS(3, 4, 5, g + 1);
+      KILN_GROUP_SCALE(0, g);
+      if (g + 2 < G) KILN_GROUP_SUMS(0, 1, 2, g + 2);
+      if (g + 1 < G) KILN_GROUP_SCALE(3, g + 1);
+    }
+    const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + rb * kRows) : _mm512_setzero_ps();
+    for (int r = 0; r < mr; ++r)
+      _mm512_storeu_ps(a.y + (m0 + r) * a.N + rb * kRows,
+                       _mm512_add_ps(_mm512_add_ps(fd[r], fm[r]), b));
+  }
+}
+#undef KILN_GROUP_SUMS
+#undef KILN_GROUP_SCALE
+#endif
+
 template <int ND>
 at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight,
                const at::Tensor& scales, const at::Tensor& mins,
@@ -420,7 +523,13 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
-    std::vector<int8_t> xq(M * ND * K);
+#if KILN_W4A8_AMX
+    const bool tiles = ND == 1 && M >= kAmxMinRows && kiln_int8::amx_ready();
+#else
+    constexpr bool tiles = false;
+#endif
+    // on tiles, x's codes padded with zero rows to a multiple of 16 (whole A tiles)
+    std::vector<int8_t> xq((tiles ? (M + 15) / 16 * 16 : M) * ND * K, 0);
     std::vector<float> sx(M * G), cx(M * G);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
@@ -433,6 +542,20 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()),
                  bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), K, G, N};
+#if KILN_W4A8_AMX
+    if (tiles) {
+      const int64_t block_bytes = kRows * (K / 2 + 4 * G);
+      const int64_t chunk = kiln::chunk_items(N / kRows, block_bytes, 16 << 10);
+      kiln::parallel_chunks(N / kRows, chunk, [&](int64_t b0, int64_t b1) {
+        static const W4A8TileConfig cfg;
+        std::vector<uint8_t> unpacked(G * 512);
+        _tile_loadconfig(&cfg);
+        for (int64_t rb = b0; rb < b1; ++rb) block_amx(a, rb, M, unpacked.data());
+        _tile_release();
+      });
+      return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+    }
+#endif
     constexpr int MR = kMR<ND>;
     // chunks of ~16 KiB of packed weights at one row of x (fewer blocks at many rows), at
     // least 4 a thread: a preempted thread's chunks go to the others (plugins/csrc/parallel.h)

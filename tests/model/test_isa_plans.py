@@ -157,12 +157,12 @@ def alone(x, q, b):   # each row of x through the W8A8 / W4A8 op by itself
 
 # W8A8 and W4A8 re-quantize every layer's output, so an ulp of difference compounds over the
 # layers: a row's result must be bit for bit the one it gets alone, on every path (AMX tiles
-# from 4 / 16 rows, VNNI tiles of 1-4 rows).
-# (17, 48, 128), (40, 96, 576): the amx level's tiles (the batched int8 GEMM, W4A8 from 16
-# rows) with tails of x rows and weight rows; (20, 32, 96): an odd number of W4A8 groups; K =
-# 200 and 96 are not whole int8 tiles (_int_mm)
+# from 4 / 32 rows, VNNI tiles of 1-4 rows).
+# (17, 48, 128), (40, 96, 576): the amx level's tiles (the batched int8 GEMM, W4A8 from 32
+# rows: whole tiles of 16, the rest on VNNI) with tails of x rows and weight rows; (36, 32,
+# 96): an odd number of W4A8 groups; K = 200 and 96 are not whole int8 tiles (_int_mm)
 for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96),
-                (17, 48, 128), (40, 96, 576), (20, 32, 96)]:
+                (17, 48, 128), (40, 96, 576), (36, 32, 96)]:
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     qw = formats.quantize(w, "int8")
     out = ops.quant_linear(x, qw, b, activations="int8")

@@ -25,7 +25,7 @@
 //     per group into int32.
 //   otherwise: scalar loops (same integers, same float arithmetic per group).
 //   AMX (the amx level, W4A8 from kAmxMinRows rows of x): one tdpbsud per group and 16 rows
-//     of x (block_amx below); the float arithmetic per group as on VNNI.
+//     of x (block_amx below), the last M % 16 rows on VNNI; the same floats, bit for bit.
 // Parallel over blocks of 16 weight rows; each block's packed weights (K/32 * 256 bytes)
 // stay in L1 while every tile of x rows passes over them, and the weights 16 groups ahead
 // are prefetched (kPrefetchGroups), and 64 KiB ahead into L2 (plugins/csrc/prefetch.h).
@@ -55,7 +55,7 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && KILN_W4A8_AMX
 #include <immintrin.h>
-#define KILN_W4A8_PATH "w4a8: avx512-vnni vpdpbusd, from 16 rows amx tiles"
+#define KILN_W4A8_PATH "w4a8: avx512-vnni vpdpbusd, from 32 rows amx tiles"
 #define KILN_W4A8_VNNI 1
 #define KILN_W4A8_AVX2 0
 #elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -420,8 +420,8 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
 // plan re-quantizes every layer's output, and a one-ulp difference there flips activation codes
 // that compound over the layers (a first version summed both terms into one accumulator: the
 // SmolLM2 throughput plan's logits moved by up to 1.9 and its golden prompt lost its answer).
-// Rows of x past M read the zero rows the caller pads xq with.
-constexpr int64_t kAmxMinRows = 16;
+// The caller gives it whole tiles of 16 rows (the rest go to block_tile).
+constexpr int64_t kAmxMinRows = 32;   // one tile of 16 rows: no faster than block_tile
 
 struct alignas(64) W4A8TileConfig {
   uint8_t palette = 1;
@@ -435,7 +435,7 @@ struct alignas(64) W4A8TileConfig {
 
 // One group's integer sums for 16 rows of x from m0, into tile TC (the tiles run them while
 // the core scales the group before), and the sums of tile TC times the group's scales into
-// the rows' float accumulators f. Macros: the tile intrinsics take literal tile numbers.
+// the rows' float accumulators fd. Macros: the tile intrinsics take literal tile numbers.
 #define KILN_GROUP_SUMS(TC, TA, TB, g)                             \
   do {                                                             \
     _tile_zero(TC);                                                \
@@ -446,22 +446,24 @@ struct alignas(64) W4A8TileConfig {
 #define KILN_GROUP_SCALE(TC, g)                                    \
   do {                                                             \
     _tile_stored(TC, sums, 64);                                    \
-    group_scale(a, db, mb, m0, mr, (g), sums, fd, fm);             \
+    group_scale(a, db, m0, mr, (g), sums, fd);                     \
   } while (0)
 
-inline void group_scale(const Args& a, const uint16_t* db, const uint16_t* mb, int64_t m0,
-                        int64_t mr, int64_t g, const int32_t* sums, __m512* fd, __m512* fm) {
+inline void group_scale(const Args& a, const uint16_t* db, int64_t m0, int64_t mr, int64_t g,
+                        const int32_t* sums, __m512* fd) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g * kRows)));
-  const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mb + g * kRows)));
   for (int r = 0; r < 16; ++r) {
     if (r >= mr) break;
-    const int64_t i = (m0 + r) * a.G + g;
     const __m512 acc = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
-    fd[r] = _mm512_fmadd_ps(acc, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[i])), fd[r]);
-    fm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.cx[i]), fm[r]);
+    fd[r] = _mm512_fmadd_ps(acc, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[(m0 + r) * a.G + g])), fd[r]);
   }
 }
 
+// Scratch of block_amx: the block's B tiles (512 bytes a group), then its minimums as floats.
+inline int64_t amx_scratch_bytes(int64_t G) { return G * (512 + kRows * 4); }
+
+// fm (the minimums' terms: the same fmas in the same order as block_tile's) runs after the
+// groups, so the 16 rows' fd alone stay in registers through the tile loop.
 void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const uint8_t* wb = a.qw + rb * a.G * kChunk;
@@ -474,12 +476,16 @@ void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
       _mm512_storeu_si512(unpacked + g * 512 + 128 * c + 64,
                           _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
     }
+  float* mnf = reinterpret_cast<float*>(unpacked + a.G * 512);
+  for (int64_t g = 0; g < a.G; ++g)
+    _mm512_storeu_ps(mnf + g * kRows, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(mb + g * kRows))));
   alignas(64) int32_t sums[256];
   const int64_t G = a.G;
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t mr = std::min<int64_t>(16, M - m0);
-    __m512 fd[16], fm[16];
-    for (int r = 0; r < 16; ++r) fd[r] = fm[r] = _mm512_setzero_ps();
+    __m512 fd[16];
+    for (int r = 0; r < 16; ++r) fd[r] = _mm512_setzero_ps();
     KILN_GROUP_SUMS(0, 1, 2, 0);
     for (int64_t g = 0; g < G; g += 2) {   // group g on tiles 0-2, g + 1 on 3-5
       if (g + 1 < G) KILN_GROUP_SUMS(3, 4, 5, g + 1);
@@ -487,10 +493,21 @@ void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
       if (g + 2 < G) KILN_GROUP_SUMS(0, 1, 2, g + 2);
       if (g + 1 < G) KILN_GROUP_SCALE(3, g + 1);
     }
+    float* y = a.y + m0 * a.N + rb * kRows;
+    for (int r = 0; r < mr; ++r) _mm512_storeu_ps(y + r * a.N, fd[r]);   // fd, for now
+    __m512 fm[16];
+    for (int r = 0; r < 16; ++r) fm[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 mn = _mm512_loadu_ps(mnf + g * kRows);
+      for (int r = 0; r < 16; ++r) {
+        if (r >= mr) break;
+        fm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.cx[(m0 + r) * G + g]), fm[r]);
+      }
+    }
     const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + rb * kRows) : _mm512_setzero_ps();
     for (int r = 0; r < mr; ++r)
-      _mm512_storeu_ps(a.y + (m0 + r) * a.N + rb * kRows,
-                       _mm512_add_ps(_mm512_add_ps(fd[r], fm[r]), b));
+      _mm512_storeu_ps(y + r * a.N,
+                       _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(y + r * a.N), fm[r]), b));
   }
 }
 #undef KILN_GROUP_SUMS
@@ -523,13 +540,7 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
-#if KILN_W4A8_AMX
-    const bool tiles = ND == 1 && M >= kAmxMinRows && kiln_int8::amx_ready();
-#else
-    constexpr bool tiles = false;
-#endif
-    // on tiles, x's codes padded with zero rows to a multiple of 16 (whole A tiles)
-    std::vector<int8_t> xq((tiles ? (M + 15) / 16 * 16 : M) * ND * K, 0);
+    std::vector<int8_t> xq(M * ND * K);
     std::vector<float> sx(M * G), cx(M * G);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
@@ -542,35 +553,42 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()),
                  bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), K, G, N};
+    constexpr int MR = kMR<ND>;
+    auto rows_from = [&](int64_t rb, int64_t from) {   // rows from..M of a block, 1-4 at a time
+      for (int64_t m0 = from; m0 < M; m0 += MR) {
+        switch (std::min<int64_t>(MR, M - m0)) {   // cases above MR never run: <1, ND>
+          case 4: block_tile<(MR >= 4 ? 4 : 1), ND>(a, rb, m0); break;
+          case 3: block_tile<(MR >= 3 ? 3 : 1), ND>(a, rb, m0); break;
+          case 2: block_tile<(MR >= 2 ? 2 : 1), ND>(a, rb, m0); break;
+          default: block_tile<1, ND>(a, rb, m0); break;
+        }
+      }
+    };
 #if KILN_W4A8_AMX
-    if (tiles) {
+    if (ND == 1 && M >= kAmxMinRows && kiln_int8::amx_ready()) {
+      // whole tiles of 16 rows on AMX, the last M % 16 rows on block_tile (the same results)
+      const int64_t whole = M / 16 * 16;
       const int64_t block_bytes = kRows * (K / 2 + 4 * G);
       const int64_t chunk = kiln::chunk_items(N / kRows, block_bytes, 16 << 10);
       kiln::parallel_chunks(N / kRows, chunk, [&](int64_t b0, int64_t b1) {
         static const W4A8TileConfig cfg;
-        std::vector<uint8_t> unpacked(G * 512);
+        std::vector<uint8_t> scratch(amx_scratch_bytes(G));
         _tile_loadconfig(&cfg);
-        for (int64_t rb = b0; rb < b1; ++rb) block_amx(a, rb, M, unpacked.data());
+        for (int64_t rb = b0; rb < b1; ++rb) {
+          block_amx(a, rb, whole, scratch.data());
+          rows_from(rb, whole);
+        }
         _tile_release();
       });
       return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
     }
 #endif
-    constexpr int MR = kMR<ND>;
     // chunks of ~16 KiB of packed weights at one row of x (fewer blocks at many rows), at
     // least 4 a thread: a preempted thread's chunks go to the others (plugins/csrc/parallel.h)
     const int64_t block_bytes = kRows * (K / 2 + 4 * G) * ((M + MR - 1) / MR);
     const int64_t chunk = kiln::chunk_items(N / kRows, block_bytes, 16 << 10);
     kiln::parallel_chunks(N / kRows, chunk, [&](int64_t b0, int64_t b1) {
-      for (int64_t rb = b0; rb < b1; ++rb)
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-          switch (std::min<int64_t>(MR, M - m0)) {   // cases above MR never run: <1, ND>
-            case 4: block_tile<(MR >= 4 ? 4 : 1), ND>(a, rb, m0); break;
-            case 3: block_tile<(MR >= 3 ? 3 : 1), ND>(a, rb, m0); break;
-            case 2: block_tile<(MR >= 2 ? 2 : 1), ND>(a, rb, m0); break;
-            default: block_tile<1, ND>(a, rb, m0); break;
-          }
-        }
+      for (int64_t rb = b0; rb < b1; ++rb) rows_from(rb, 0);
     });
   }
   return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());

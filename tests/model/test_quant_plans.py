@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from builder.build import BuildError, build
@@ -313,6 +314,45 @@ def test_w8a8_plan_smooths_gates_and_generates(tmp_path):
     assert m["accuracy"]["passed"]
     assert "w8a8" in next(v for k, v in m["engine"]["kernel_paths"].items() if "quant" in k)
     assert _greedy_tokens(plan, 8) == 8
+
+
+@pytest.mark.parametrize("name,precision,accuracy", [
+    ("tiny-w4a8", {"weights": "int4", "activations": "int8", "keep_high_precision": []}, None),
+    ("tiny-w8a8", {"weights": "int8", "activations": "int8", "keep_high_precision": []},
+     {"calibration_text": "pydoc"}),
+])
+def test_activation_quantized_plans_give_a_sequence_the_same_logits_batched_and_alone(
+        tmp_path, name, precision, accuracy):
+    """W4A8 and W8A8 re-quantize every layer's output, so an ulp that depends on the batch
+    flips activation codes and compounds over the layers (SmolLM2 W4A8: 1.9 logits). A
+    sequence's logits must be bit for bit the same whatever shares its step, whichever kernel
+    path its rows take (AMX tiles from 32 rows of W4A8 where the plan has them, the rest and
+    smaller steps on VNNI): prefills of 10 and 40 tokens alone and beside others, and a decode
+    step alone and beside 5 others."""
+    from runtime.executor import Executor, KVLayout, ModelInput
+    from runtime.plan import load_step_fn
+
+    plan = load_plan(_built(tmp_path, name, precision, accuracy)[0])
+    m = plan.manifest
+    cfg, bs = m.model.shape, m.kv_cache.tokens_per_block
+    ex = Executor(load_step_fn(plan), KVLayout(cfg.num_layers, 80, bs, cfg.num_kv_heads,
+                                               cfg.head_dim, m.kv_cache.dtype))
+    tables = iter([[1 + 4 * i + j for j in range(4)] for i in range(19)])   # 4 blocks each
+
+    def logits(seqs, starts, tabs):
+        return ex.execute(ModelInput.build(seqs, starts, tabs, bs))
+
+    for first, beside in ((list(range(40, 50)), list(range(200, 230))),    # 10 + 30 rows
+                          (list(range(40, 80)), list(range(200, 220)))):   # 40 + 20 rows
+        mine, theirs, again = next(tables), next(tables), next(tables)
+        together = logits([first, beside], [0, 0], [mine, theirs])[0]
+        alone = logits([first], [0], [again])[0]
+        assert torch.equal(together, alone), (len(first), len(beside))
+    others = [next(tables) for _ in range(5)]
+    logits([[i] for i in range(100, 105)], [0] * 5, others)
+    together = logits([[7]] + [[i] for i in range(5)], [40] + [1] * 5, [mine] + others)[0]
+    alone = logits([[7]], [40], [again])[0]
+    assert torch.equal(together, alone), "decode"
 
 
 def test_fp32_plans_skip_the_gate_unless_asked():

@@ -20,10 +20,9 @@ the output tokens of its delta (their sum is the total).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import grpc
@@ -171,7 +170,7 @@ def parse(request, max_tokens_limit: int) -> KServeRequest:
             # TensorRT-LLM's rule, which its Triton clients rely on: top_k 0 and top_p 0 (both
             # their defaults) is greedy search, whatever the (valid) temperature; genai-perf
             # and perf_analyzer send neither
-            params = dataclasses.replace(params, temperature=0.0)
+            params = replace(params, temperature=0.0)
     except FieldError as e:         # a SamplingParams field is a request input of that name
         raise invalid(f"input {e.field} {e.problem}")
     except ValueError as e:

@@ -39,7 +39,7 @@
 
 #include "../../csrc/parallel.h"
 #include "../../csrc/prefetch.h"
-#include "int8_gemm.h"   // amx_ready
+#include "int8_gemm.h"   // KILN_INT8_GEMM_AMX, amx_ready, TileConfig
 
 #include <algorithm>
 #include <cmath>
@@ -47,13 +47,14 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512VNNI__)
+// The tile path's rows beyond whole tiles, and its float order, are the VNNI tiles'.
+#if KILN_INT8_GEMM_AMX && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define KILN_W4A8_AMX 1
 #else
 #define KILN_W4A8_AMX 0
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && KILN_W4A8_AMX
+#if KILN_W4A8_AMX
 #include <immintrin.h>
 #define KILN_W4A8_PATH "w4a8: avx512-vnni vpdpbusd, from 32 rows amx tiles"
 #define KILN_W4A8_VNNI 1
@@ -423,15 +424,21 @@ void block_tile(const Args& a, int64_t rb, int64_t m0) {
 // The caller gives it whole tiles of 16 rows (the rest go to block_tile).
 constexpr int64_t kAmxMinRows = 32;   // one tile of 16 rows: no faster than block_tile
 
-struct alignas(64) W4A8TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  // two sets (even and odd groups): tmm0/3 C (16 x 16 int32), tmm1/4 A (x: 16 rows x 32 k),
-  // tmm2/5 B (the weights: 8 rows of 16 x 4 k)
-  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
-  uint8_t rows[16] = {16, 16, 8, 16, 16, 8};
-};
+// Two tile sets (even and odd groups): tmm0/3 C (16 x 16 int32), tmm1/4 A (x: 16 rows x 32
+// k), tmm2/5 B (the weights: 8 rows of 16 x 4 k).
+inline const kiln_int8::TileConfig& w4a8_tile_config() {
+  static const kiln_int8::TileConfig cfg = [] {
+    kiln_int8::TileConfig c;
+    const uint16_t colsb[6] = {64, 32, 64, 64, 32, 64};
+    const uint8_t rows[6] = {16, 16, 8, 16, 16, 8};
+    for (int t = 0; t < 6; ++t) {
+      c.colsb[t] = colsb[t];
+      c.rows[t] = rows[t];
+    }
+    return c;
+  }();
+  return cfg;
+}
 
 // One group's integer sums for 16 rows of x from m0, into tile TC (the tiles run them while
 // the core scales the group before), and the sums of tile TC times the group's scales into
@@ -446,14 +453,13 @@ struct alignas(64) W4A8TileConfig {
 #define KILN_GROUP_SCALE(TC, g)                                    \
   do {                                                             \
     _tile_stored(TC, sums, 64);                                    \
-    group_scale(a, db, m0, mr, (g), sums, fd);                     \
+    group_scale(a, db, m0, (g), sums, fd);                         \
   } while (0)
 
-inline void group_scale(const Args& a, const uint16_t* db, int64_t m0, int64_t mr, int64_t g,
+inline void group_scale(const Args& a, const uint16_t* db, int64_t m0, int64_t g,
                         const int32_t* sums, __m512* fd) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(db + g * kRows)));
   for (int r = 0; r < 16; ++r) {
-    if (r >= mr) break;
     const __m512 acc = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r));
     fd[r] = _mm512_fmadd_ps(acc, _mm512_mul_ps(d, _mm512_set1_ps(a.sx[(m0 + r) * a.G + g])), fd[r]);
   }
@@ -463,7 +469,8 @@ inline void group_scale(const Args& a, const uint16_t* db, int64_t m0, int64_t m
 inline int64_t amx_scratch_bytes(int64_t G) { return G * (512 + kRows * 4); }
 
 // fm (the minimums' terms: the same fmas in the same order as block_tile's) runs after the
-// groups, so the 16 rows' fd alone stay in registers through the tile loop.
+// groups, so the 16 rows' fd alone stay in registers through the tile loop. M: a multiple
+// of 16.
 void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
   const __m512i mask = _mm512_set1_epi8(0x0F);
   const uint8_t* wb = a.qw + rb * a.G * kChunk;
@@ -483,7 +490,6 @@ void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
   alignas(64) int32_t sums[256];
   const int64_t G = a.G;
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
-    const int64_t mr = std::min<int64_t>(16, M - m0);
     __m512 fd[16];
     for (int r = 0; r < 16; ++r) fd[r] = _mm512_setzero_ps();
     KILN_GROUP_SUMS(0, 1, 2, 0);
@@ -494,18 +500,16 @@ void block_amx(const Args& a, int64_t rb, int64_t M, uint8_t* unpacked) {
       if (g + 1 < G) KILN_GROUP_SCALE(3, g + 1);
     }
     float* y = a.y + m0 * a.N + rb * kRows;
-    for (int r = 0; r < mr; ++r) _mm512_storeu_ps(y + r * a.N, fd[r]);   // fd, for now
+    for (int r = 0; r < 16; ++r) _mm512_storeu_ps(y + r * a.N, fd[r]);   // fd, for now
     __m512 fm[16];
     for (int r = 0; r < 16; ++r) fm[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
       const __m512 mn = _mm512_loadu_ps(mnf + g * kRows);
-      for (int r = 0; r < 16; ++r) {
-        if (r >= mr) break;
+      for (int r = 0; r < 16; ++r)
         fm[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.cx[(m0 + r) * G + g]), fm[r]);
-      }
     }
     const __m512 b = a.bias ? _mm512_loadu_ps(a.bias + rb * kRows) : _mm512_setzero_ps();
-    for (int r = 0; r < mr; ++r)
+    for (int r = 0; r < 16; ++r)
       _mm512_storeu_ps(y + r * a.N,
                        _mm512_add_ps(_mm512_add_ps(_mm512_loadu_ps(y + r * a.N), fm[r]), b));
   }
@@ -571,9 +575,8 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
       const int64_t block_bytes = kRows * (K / 2 + 4 * G);
       const int64_t chunk = kiln::chunk_items(N / kRows, block_bytes, 16 << 10);
       kiln::parallel_chunks(N / kRows, chunk, [&](int64_t b0, int64_t b1) {
-        static const W4A8TileConfig cfg;
         std::vector<uint8_t> scratch(amx_scratch_bytes(G));
-        _tile_loadconfig(&cfg);
+        _tile_loadconfig(&w4a8_tile_config());
         for (int64_t rb = b0; rb < b1; ++rb) {
           block_amx(a, rb, whole, scratch.data());
           rows_from(rb, whole);

@@ -68,7 +68,7 @@ async def drive_engine(engine, prompts, params, concurrency) -> tuple[int, float
 def grpc_round(args) -> tuple[dict, list[str]]:
     """Starts `kiln serve`, drives it with the load generator, stops it: (its report, the
     prompts it sent)."""
-    from runtime.server.loadgen import _workload, run_loadgen
+    from kiln.runtime.tools.loadgen import _workload, run_loadgen
 
     port, mport = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", args.plan, "--port",
@@ -97,8 +97,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.output_len, min_tokens=args.output_len,
                             temperature=0.0)

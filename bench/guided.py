@@ -26,10 +26,10 @@ import statistics
 import time
 from collections import defaultdict
 
-import runtime.sampling as sampling
-from runtime.engine import Engine
-from runtime.guided import GuidedDecoding
-from runtime.sampling import SamplingParams
+import kiln.runtime.sampling as sampling
+from kiln.runtime.engine import Engine
+from kiln.runtime.guided import GuidedDecoding
+from kiln.runtime.sampling import SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -146,7 +146,7 @@ def compare_libraries(engine: Engine, rows: int) -> None:
 
     import llguidance
     import llguidance.torch as lgt
-    from runtime.guided import apply_bitmask
+    from kiln.runtime.guided import apply_bitmask
     t0 = time.perf_counter()
     lt = llguidance.LLTokenizer(tok.to_json(), n_vocab=V, eos_token=eos)
     g = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA),

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.linear_kernels import best_us             # noqa: E402
-from plugins.quant import formats, kernels, ops   # noqa: E402
+from kiln.plugins.quant import formats, kernels, ops   # noqa: E402
 
 SHAPES = [(3072, 576), (576, 1536)]   # w13, w2 (out x in)
 SETTINGS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from plugins import isa                           # noqa: E402
-from plugins.cpp_build import kernel_path         # noqa: E402
-from plugins.quant import formats, kernels, ops   # noqa: E402
+from kiln.plugins import isa                           # noqa: E402
+from kiln.plugins.cpp_build import kernel_path         # noqa: E402
+from kiln.plugins.quant import formats, kernels, ops   # noqa: E402
 
 SHAPES = [(3072, 576), (576, 1536), (960, 576), (576, 576)]   # w13, w2, wqkv, wo
 

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from plugins.paged_kv import kernels
-from plugins.paged_kv.ops import paged_attention_reference
+from kiln.plugins.paged_kv import kernels
+from kiln.plugins.paged_kv.ops import paged_attention_reference
 
 H, KVH, D, BS = 9, 3, 64, 16
 

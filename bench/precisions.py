@@ -32,9 +32,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from plugins.paged_kv import kv_format                         # noqa: E402
-from runtime.executor import Executor, KVLayout, ModelInput   # noqa: E402
-from runtime.plan import load_plan, load_step_fn, read_manifest  # noqa: E402
+from kiln.plugins.paged_kv import kv_format                         # noqa: E402
+from kiln.runtime.executor import Executor, KVLayout, ModelInput   # noqa: E402
+from kiln.runtime.plan import load_plan, load_step_fn, read_manifest  # noqa: E402
 
 PRECISIONS = ("fp32", "bf16", "fp8", "int8", "int4")
 
@@ -132,7 +132,7 @@ def main() -> None:
                     "compiled for this target.isa level: plans/<name>-<isa>")
     args = ap.parse_args()
     if args.build:
-        from builder.build import build
+        from kiln.builder.build import build
         for p in args.precisions:
             build(isa_spec(p, args.isa) if args.isa else spec_path(p), plan_dir(p, args.isa))
     rows = {p: plan_row(p, args.isa) for p in args.precisions}

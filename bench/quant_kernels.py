@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere
-from plugins.quant import formats, kernels, ops
+from kiln.plugins.quant import formats, kernels, ops
 
 HIDDEN, INTER, LAYERS, VOCAB = 576, 1536, 30, 49152
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64

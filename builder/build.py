@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from builder.progress import Progress
-from builder.spec import Spec, SpecError, load_spec, parse_memory
-from builder.uptodate import quick_key, quick_up_to_date
-from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
-from kiln_contracts.manifest import (AccuracyRecord, EngineSection, FileEntry, KVCacheSection,
+from kiln.builder.progress import Progress
+from kiln.builder.spec import Spec, SpecError, load_spec, parse_memory
+from kiln.builder.uptodate import quick_key, quick_up_to_date
+from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
+from kiln.contracts.manifest import (AccuracyRecord, EngineSection, FileEntry, KVCacheSection,
                                      LimitsSection, ModelSection, PlanManifest, PrecisionSection,
                                      SchedulerSection, TargetSection, ToolchainSection)
 
@@ -70,7 +70,7 @@ def check_build_machine(spec: Spec) -> None:
     """AOTInductor compiles for the device it runs on: a GPU plan needs that GPU here."""
     if not spec.target.is_gpu:
         return
-    from builder import gpu
+    from kiln.builder import gpu
 
     try:
         gpu.check_build_machine(spec)
@@ -84,7 +84,7 @@ def check_build_machine(spec: Spec) -> None:
 
 
 def plan_fingerprint(spec: Spec, ckpt, target: dict | None = None) -> tuple[str, dict]:
-    from builder.fingerprint import fingerprint, fingerprint_inputs
+    from kiln.builder.fingerprint import fingerprint, fingerprint_inputs
 
     inputs = fingerprint_inputs(spec, ckpt.weights_digest, target)
     return fingerprint(inputs), inputs
@@ -93,8 +93,8 @@ def plan_fingerprint(spec: Spec, ckpt, target: dict | None = None) -> tuple[str,
 def resolve_target(spec: Spec) -> dict:
     """The manifest's target for this spec on this machine; BuildError when it cannot be built
     here (a CPU ISA whose features this machine lacks)."""
-    from builder.fingerprint import build_target
-    from builder.target import TargetError
+    from kiln.builder.fingerprint import build_target
+    from kiln.builder.target import TargetError
 
     try:
         return build_target(spec)
@@ -104,7 +104,7 @@ def resolve_target(spec: Spec) -> dict:
 
 def is_up_to_date(out: Path, fp: str) -> bool:
     """A plan at `out` with this fingerprint whose files are all present at their sizes."""
-    from runtime.plan import read_manifest
+    from kiln.runtime.plan import read_manifest
 
     try:
         manifest = read_manifest(out)   # PlanError for another format version
@@ -134,7 +134,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     if not force and (manifest := quick_up_to_date(spec, out)) is not None:
         return BuildResult(out, manifest.fingerprint, False, "up to date",
                            time.perf_counter() - t0, manifest)
-    from builder.sources import open_checkpoint
+    from kiln.builder.sources import open_checkpoint
 
     check_build_machine(spec)
     ckpt = open_checkpoint(spec.model)
@@ -142,7 +142,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     target = resolve_target(spec)
     fp, fp_inputs = plan_fingerprint(spec, ckpt, target)
     if not force and is_up_to_date(out, fp):
-        from runtime.plan import read_manifest
+        from kiln.runtime.plan import read_manifest
 
         manifest = read_manifest(out)
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
@@ -199,11 +199,11 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
     """Build the plan's files into tmp, then its manifest (the one writer of plan.json)."""
     import torch
 
-    from builder import compile as kcompile
-    from builder.fingerprint import toolchain
-    from plugins import isa as cpu_isa
-    from builder.sources import load_model, resolve_source
-    from runtime.plan import sha256_file
+    from kiln.builder import compile as kcompile
+    from kiln.builder.fingerprint import toolchain
+    from kiln.plugins import isa as cpu_isa
+    from kiln.builder.sources import load_model, resolve_source
+    from kiln.runtime.plan import sha256_file
 
     cfg = ckpt.config
     progress.stage(f"loading weights: {ckpt.source_desc}")
@@ -213,7 +213,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
 
     gate = None
     if spec.max_ppl_increase is not None:
-        from builder.accuracy import Gate
+        from kiln.builder.accuracy import Gate
 
         gate = Gate(spec, ckpt)
         # the fp32 model is at hand before packing its weights (cached or not)
@@ -299,11 +299,11 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
     p = spec.precision
     if not spec.packed_weights:
         return {"weights": p.weights, "scheme": None}
-    from builder.quantize import quantize_model
+    from kiln.builder.quantize import quantize_model
 
     calibration = None
     if spec.accuracy.calibration_text is not None:
-        from builder.accuracy import calibration_runner
+        from kiln.builder.accuracy import calibration_runner
 
         calibration = calibration_runner(spec, ckpt)
     progress.stage(("fp32 linears on the quant plugin's GEMV" if p.weights == "fp32" else
@@ -329,8 +329,8 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
 def _accuracy_gate(gate, tmp: Path, engine: EngineSection, spec: Spec,
                    progress: Progress) -> AccuracyRecord:
     """Run the compiled plan on the evaluation text; BuildError when over the limit."""
-    from runtime import accuracy as racc
-    from runtime.plan import load_engine
+    from kiln.runtime import accuracy as racc
+    from kiln.runtime.plan import load_engine
 
     progress.stage(f"accuracy gate: compiled plan vs unquantized model on {len(gate.ids)} "
                    f"tokens of {gate.text_name}")

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from kiln_contracts.manifest import CheckSection, EngineSection
-from plugins.isa import IsaLevel
-from plugins.paged_kv import kv_format
-from runtime.executor import ModelInput
+from kiln.contracts.manifest import CheckSection, EngineSection
+from kiln.plugins.isa import IsaLevel
+from kiln.plugins.paged_kv import kv_format
+from kiln.runtime.executor import ModelInput
 
 INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
                "query_start_loc", "logits_indices", "k_caches", "v_caches")
@@ -33,12 +33,12 @@ def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
     libs = []
     if spec.target.is_gpu:
         return libs
-    from plugins.engine_call import kernels as call_kernels
-    from plugins.paged_kv import kernels as pa_kernels
+    from kiln.plugins.engine_call import kernels as call_kernels
+    from kiln.plugins.paged_kv import kernels as pa_kernels
 
     libs.append(pa_kernels.build(level))
     if spec.packed_weights:
-        from plugins.quant import kernels as q_kernels
+        from kiln.plugins.quant import kernels as q_kernels
 
         libs.append(q_kernels.build(level))
     libs.append(call_kernels.build(level))   # the runtime calls the engine through it, GIL free
@@ -48,7 +48,7 @@ def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
         dst = out_dir / lib.name
         shutil.copyfile(lib, dst)
         copied.append(dst)
-    from plugins.cpp_build import load_library
+    from kiln.plugins.cpp_build import load_library
 
     for lib in copied:  # registers the kernels in this process (a no-op if already loaded)
         load_library(lib)
@@ -59,7 +59,7 @@ def kernel_paths(plan_dir: Path, kernels: list[Path], level: IsaLevel | None
                  ) -> dict[str, str]:
     """{library: the code path it was compiled to}; refuses a scalar kernel at a vector level
     (a plan must never silently run the fallback on a machine that has vectors)."""
-    from plugins.cpp_build import kernel_path
+    from kiln.plugins.cpp_build import kernel_path
 
     paths = {k.relative_to(plan_dir).as_posix(): kernel_path(k) for k in kernels}
     scalar = [lib for lib, path in paths.items() if "scalar" in path or path == "unknown"]
@@ -123,8 +123,8 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
     """AOTInductor-compile the exported program into `path` (or save it uncompiled); a CPU
     plan's code is generated for its ISA level, a GPU plan's (level None) for the device."""
     if backend == "aoti":
-        from builder.target import inductor_isa, kernel_regions
-        from plugins import shims
+        from kiln.builder.target import inductor_isa, kernel_regions
+        from kiln.plugins import shims
 
         with contextlib.ExitStack() as cpu_codegen:
             if level is not None:      # a CPU plan: its ISA, regions for any thread count,
@@ -151,7 +151,7 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path
 def _runs_rows16(model: torch.nn.Module) -> bool:
     """Whether a linear of the model runs kiln::linear_int4_rows16 (int4 weights in the
     interleaved layout, float activations; builder/quantize.py decides it per linear)."""
-    from plugins.quant.modules import QuantLinear
+    from kiln.plugins.quant.modules import QuantLinear
 
     return any(isinstance(m, QuantLinear) and m.scheme == "int4_a8" and m.activations != "int8"
                for m in model.modules())
@@ -165,7 +165,7 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     Two steps over the same pool (a prefill chunk, then decodes) so the in-place KV writes of
     the compiled step are exercised too. Returns the max logit difference.
     """
-    from runtime.plan import load_engine
+    from kiln.runtime.plan import load_engine
 
     cfg = model.cfg
     bs = spec.kv_cache.tokens_per_block

@@ -14,8 +14,8 @@ import sys
 
 import torch
 
-from builder.spec import Spec
-from kiln_contracts import KILN_VERSION
+from kiln.builder.spec import Spec
+from kiln.contracts import KILN_VERSION
 
 
 def toolchain() -> dict:
@@ -30,14 +30,14 @@ def build_target(spec: Spec) -> dict:
         return {"device": spec.target.device, "arch": platform.machine(),
                 "compute_capability": spec.target.compute_capability, "isa": "none",
                 "isa_flags": [], "cpu_features": []}
-    from builder.target import cpu_target, resolve_level
+    from kiln.builder.target import cpu_target, resolve_level
 
     return cpu_target(resolve_level(spec.target.isa, spec.name))
 
 
 def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = None,
                        tools: dict | None = None, code: str | None = None) -> dict:
-    from builder.uptodate import code_digest
+    from kiln.builder.uptodate import code_digest
 
     tools = tools or toolchain()
     target = target or build_target(spec)

@@ -24,7 +24,7 @@ import subprocess
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from builder.spec import FP8_MIN_SM, Spec
+from kiln.builder.spec import FP8_MIN_SM, Spec
 
 ACTIVATION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 

@@ -26,9 +26,9 @@ from typing import Callable, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from kiln_contracts import FieldError
-from plugins.quant import formats
-from plugins.quant.modules import QuantEmbedding, QuantLinear
+from kiln.contracts import FieldError
+from kiln.plugins.quant import formats
+from kiln.plugins.quant.modules import QuantEmbedding, QuantLinear
 
 EMBED, LM_HEAD = "embed", "lm_head"
 AWQ_ALPHAS = tuple(i / 10 for i in range(11))
@@ -118,7 +118,7 @@ def smooth_search(w: torch.Tensor, x: torch.Tensor) -> tuple[Optional[torch.Tens
     outlier channels into the weights (W * s, x / s: the product is unchanged before
     rounding); alpha is searched on the linear's calibration inputs, minimizing the error of
     the W8A8 product against the float one."""
-    from plugins.quant import ops
+    from kiln.plugins.quant import ops
 
     w = w.detach().float()
     x = x.float()

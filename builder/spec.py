@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kiln_contracts import default_input_len
+from kiln.contracts import default_input_len
 
 WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
 KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
@@ -129,7 +129,7 @@ class TargetSection(_Strict):
     @field_validator("isa")
     @classmethod
     def _isa(cls, v: str) -> str:
-        from plugins import isa
+        from kiln.plugins import isa
 
         v = v.strip().lower()
         if v != isa.AUTO and v not in isa.LEVEL_NAMES:

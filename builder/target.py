@@ -15,7 +15,7 @@ import contextlib
 import os
 import platform
 
-from plugins import isa as cpu_isa
+from kiln.plugins import isa as cpu_isa
 
 
 class TargetError(RuntimeError):

@@ -17,9 +17,9 @@ from importlib import metadata
 from importlib.machinery import PathFinder
 from pathlib import Path
 
-from builder.spec import Spec
-from kiln_contracts import KILN_VERSION, MANIFEST_FILE, PLAN_FORMAT_VERSION
-from kiln_contracts.manifest import PlanManifest
+from kiln.builder.spec import Spec
+from kiln.contracts import KILN_VERSION, MANIFEST_FILE, PLAN_FORMAT_VERSION
+from kiln.contracts.manifest import PlanManifest
 
 PKG_SCHEME = "pkg://"
 
@@ -53,7 +53,7 @@ def _source_files(source: str) -> list[Path] | None:
 
 
 def _cpu_flags_digest() -> str:
-    from plugins.isa import cpu_flags
+    from kiln.plugins.isa import cpu_flags
 
     return hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()
 
@@ -61,13 +61,14 @@ def _cpu_flags_digest() -> str:
 # The code that decides a plan's bytes: the builder, the plugins (their Python, and the C++
 # compiled into the plan) and the plan contract. A change to any of it is a new toolchain,
 # even without a version bump, so no cache serves a plan an older builder made.
-PLAN_CODE = ("builder", "plugins", "kiln_contracts")
+PLAN_CODE = ("builder", "plugins", "contracts")
 PLAN_CODE_SUFFIXES = (".py", ".cpp", ".h")
 
 
 @functools.cache
 def code_digest() -> str:
-    """sha256 over the plan-making source files (paths relative to the checkout, contents);
+    """sha256 over the plan-making source files (paths relative to the folder that holds
+    builder/, plugins/ and contracts/: the checkout, or the installed kiln package; contents);
     read once a process (a build asks for it in the quick key and in the fingerprint)."""
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()

@@ -26,16 +26,16 @@ def build(spec: Path = typer.Argument(..., help="the spec YAML"),
           force: bool = typer.Option(False, "--force", help="rebuild even if up to date"),
           quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output")):
     """Build a plan from a spec (skipped when the plan is up to date)."""
-    from builder.build import BuildError, build as do_build
-    from builder.progress import Progress
-    from builder.spec import SpecError
+    from kiln.builder.build import BuildError, build as do_build
+    from kiln.builder.progress import Progress
+    from kiln.builder.spec import SpecError
 
     try:
         res = do_build(spec, out, force=force, progress=Progress(enabled=not quiet))
     except SpecError as e:
         _fail(str(e), 2)
     except Exception as e:
-        from builder.sources import CheckpointError  # imports torch: only on this path
+        from kiln.builder.sources import CheckpointError  # imports torch: only on this path
 
         if isinstance(e, (CheckpointError, BuildError)):
             _fail(str(e), 1)
@@ -51,8 +51,8 @@ def build(spec: Path = typer.Argument(..., help="the spec YAML"),
 def inspect(plan: Path = typer.Argument(..., help="a plan directory"),
             as_json: bool = typer.Option(False, "--json", help="the whole manifest as JSON")):
     """Show a plan's manifest."""
-    from runtime.inspect import describe
-    from runtime.plan import PlanError, read_manifest
+    from kiln.runtime.tools.inspect import describe
+    from kiln.runtime.plan import PlanError, read_manifest
 
     try:
         manifest = read_manifest(plan)
@@ -68,8 +68,8 @@ def inspect(plan: Path = typer.Argument(..., help="a plan directory"),
 def verify(plan: Path = typer.Argument(..., help="a plan directory")):
     """Verify a plan loads here (format, target, toolchain, checksums) and generates;
     re-runs the accuracy gate when the plan has one."""
-    from runtime.plan import PlanError, load_plan
-    from runtime.verify import verify_plan
+    from kiln.runtime.plan import PlanError, load_plan
+    from kiln.runtime.tools.verify import verify_plan
 
     try:
         p = load_plan(plan)
@@ -95,7 +95,7 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="apply the plan's chat template"),
 ):
     """Generate text from a plan, streamed to stdout."""
-    from runtime.generate import generate_stream
+    from kiln.runtime.tools.generate import generate_stream
 
     if len(args) > 2:
         _fail("give at most a plan directory and one prompt (quote the prompt)", 2)
@@ -163,12 +163,12 @@ def serve(
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
-    from runtime.compute import claim_process
+    from kiln.runtime.compute import claim_process
 
     threads = claim_process(threads)   # before torch is imported
-    from kiln_contracts import FieldError
-    from runtime.server.app import ServeConfig, ServeError, run
-    from runtime.server.limits import RequestLimits
+    from kiln.contracts import FieldError
+    from kiln.runtime.server.app import ServeConfig, ServeError, run
+    from kiln.runtime.server.limits import RequestLimits
 
     if auth_token and auth_token_file:
         _fail("give --auth-token or --auth-token-file, not both", 2)
@@ -221,11 +221,11 @@ def bench(
     if offline:
         if plan is None:
             _fail("--offline needs a plan directory", 2)
-        from runtime.compute import claim_process
+        from kiln.runtime.compute import claim_process
 
         threads = claim_process(threads)   # before torch is imported, as for kiln serve
-        from runtime.bench import run_offline
-        from runtime.plan import PlanError
+        from kiln.runtime.tools.bench import run_offline
+        from kiln.runtime.plan import PlanError
 
         try:
             run_offline(plan, requests=requests, output_len=output_len,
@@ -235,7 +235,7 @@ def bench(
         except (PlanError, ValueError) as e:
             _fail(str(e))
         return
-    from runtime.server.loadgen import run_loadgen
+    from kiln.runtime.tools.loadgen import run_loadgen
 
     run_loadgen(url, requests=requests, output_len=output_len,
                 concurrencies=tuple(concurrency), seed=seed,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from plugins import isa as cpu_isa
+from kiln.plugins import isa as cpu_isa
 
 CACHE_ROOT = Path(os.environ.get("KILN_CACHE", Path.home() / ".cache" / "kiln"))
 

@@ -37,8 +37,8 @@ def declaration(op: torch._ops.OpOverload) -> str:
 
 def declarations() -> dict[torch._ops.OpOverload, list[str]]:
     """aot_inductor.custom_ops_to_c_shims for a CPU plan: every kiln op with a CPU kernel."""
-    from plugins.paged_kv import ops as _pa  # noqa: F401  (the schemas)
-    from plugins.quant import ops as _q  # noqa: F401
+    from kiln.plugins.paged_kv import ops as _pa  # noqa: F401  (the schemas)
+    from kiln.plugins.quant import ops as _q  # noqa: F401
 
     out = {}
     for name in CPU_OPS:

@@ -30,9 +30,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from plugins.paged_kv import kv_format
-from runtime.executor import Executor, KVLayout, ModelInput
-from runtime.plan import Plan, load_step_fn
+from kiln.plugins.paged_kv import kv_format
+from kiln.runtime.executor import Executor, KVLayout, ModelInput
+from kiln.runtime.plan import Plan, load_step_fn
 
 EVAL_TEXTS = ("pydoc",)
 MAX_WINDOW = 512
@@ -162,7 +162,7 @@ def rerun_gate(plan: Plan, step_fn=None) -> dict:
     The baseline is what the build recorded: ref_ppl and the reference's top-1 predictions
     (REFERENCE_FILE). ok = the increase is within max_ppl_increase and the plan's ppl moved
     at most DRIFT_TOLERANCE (relative) from the build's measurement."""
-    from runtime.tokenizer import Tokenizer
+    from kiln.runtime.tokenizer import Tokenizer
 
     m = plan.manifest
     recorded = m.accuracy

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from runtime.executor import ModelInput
+from kiln.runtime.executor import ModelInput
 
 
 def batch_ladder(max_batch_size: int) -> list[int]:

@@ -22,18 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
-from kiln_contracts import FieldError, default_input_len
-from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
+from kiln.contracts import FieldError, default_input_len
+from kiln.plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
                                        SchedulerOutput, SequenceStatus, StepOutput, TokenSequence)
-from runtime.compute import enter_engine_thread
-from runtime.executor import Executor
-from runtime.guided import GrammarCache
-from runtime.model_runner import ModelRunner
-from runtime.plan import Plan, load_plan
-from runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
-from runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
+from kiln.runtime.compute import enter_engine_thread
+from kiln.runtime.executor import Executor
+from kiln.runtime.guided import GrammarCache
+from kiln.runtime.model_runner import ModelRunner
+from kiln.runtime.plan import Plan, load_plan
+from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from kiln.runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
                              Usage, hold_posts, release_posts)
-from runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("kiln.runtime")
 

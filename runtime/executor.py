@@ -14,9 +14,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from kiln_contracts.manifest import KVCacheSection
-from plugins.paged_kv import kv_format
-from runtime.plan import Plan, PlanError, load_step_fn
+from kiln.contracts.manifest import KVCacheSection
+from kiln.plugins.paged_kv import kv_format
+from kiln.runtime.plan import Plan, PlanError, load_step_fn
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Callable, Optional
 
 import torch
 
-from plugins.inflight_batching import SchedulerOutput, TokenSequence, StepOutput
-from runtime.executor import Executor, ModelInput
-from runtime.guided import Masker
-from runtime.sampling import Sampler, TokenLogprobs
+from kiln.plugins.inflight_batching import SchedulerOutput, TokenSequence, StepOutput
+from kiln.runtime.executor import Executor, ModelInput
+from kiln.runtime.guided import Masker
+from kiln.runtime.sampling import Sampler, TokenLogprobs
 
 log = logging.getLogger("kiln.runtime")
 

@@ -1,6 +1,6 @@
 """The plan: one manifest (`plan.json`, read by `read_manifest`), one loader (`load_plan`).
 
-    plan dir --read_manifest--> PlanManifest (kiln_contracts.manifest: typed, validated)
+    plan dir --read_manifest--> PlanManifest (kiln.contracts.manifest: typed, validated)
              --load_plan--> Plan (format, target, toolchain, checksums of the data files)
              --load_step_fn--> the compiled step (its code files hashed as they are copied)
 
@@ -24,10 +24,10 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from kiln_contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
-from kiln_contracts.manifest import (EngineSection, FileEntry, LimitsSection, ManifestError,
+from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
+from kiln.contracts.manifest import (EngineSection, FileEntry, LimitsSection, ManifestError,
                                      ModelShape, PlanManifest, TargetSection)
-from plugins import isa as cpu_isa
+from kiln.plugins import isa as cpu_isa
 
 
 class PlanError(RuntimeError):
@@ -292,8 +292,8 @@ def load_engine(path: Path, engine: EngineSection,
     import importlib
     import tempfile
 
-    from plugins.cpp_build import load_library
-    from plugins.engine_call import kernels as engine_call
+    from kiln.plugins.cpp_build import load_library
+    from kiln.plugins.engine_call import kernels as engine_call
 
     if engine.backend not in ("aoti", "eager"):
         raise PlanError(f"plan {path} uses engine backend {engine.backend!r}, which this "
@@ -301,7 +301,7 @@ def load_engine(path: Path, engine: EngineSection,
     for name in engine.plugins:  # op schemas before the engine loads
         if name not in KNOWN_PLUGINS:
             raise PlanError(f"plan {path} names an unknown plugin {name!r}", "engine.plugins")
-        importlib.import_module(f"plugins.{name}")
+        importlib.import_module(f"kiln.plugins.{name}")
     expected = (lambda rel: files.get(rel)) if files is not None else (lambda rel: None)
     # Kernels and engine are loaded from private copies of their verified bytes.
     with tempfile.TemporaryDirectory(prefix="kiln-plan-") as private:

@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from kiln_contracts import FieldError
-from runtime.guided import GuidedDecoding, apply_bitmask
+from kiln.contracts import FieldError
+from kiln.runtime.guided import GuidedDecoding, apply_bitmask
 
 MAX_LOGPROBS = 20   # top alternatives per token a request may ask for
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1   # what torch.Generator.manual_seed takes

@@ -12,8 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from runtime.compute import name_os_thread
-from runtime.sampling import TokenLogprobs
+from kiln.runtime.compute import name_os_thread
+from kiln.runtime.sampling import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ def parity(plan_path: Path, hf) -> dict:
     the length of the agreeing prefix per prompt (bf16 roundings may part them late)."""
     import torch
 
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampling import SamplingParams
 
     tok, model = hf
     engine = Engine.from_plan(plan_path)
@@ -72,9 +72,9 @@ def parity(plan_path: Path, hf) -> dict:
 
 
 def bench(plan_path: Path) -> dict:
-    from runtime import bench as rb
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+    from kiln.runtime.tools import bench as rb
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampling import SamplingParams
 
     engine = Engine.from_plan(plan_path)
     try:
@@ -111,14 +111,14 @@ def main() -> int:
         major, minor = torch.cuda.get_device_capability()
         sm = f"sm_{major}{minor}"
         line["gpu"], line["compute_capability"] = torch.cuda.get_device_name(), sm
-        from builder.build import build
-        from builder.progress import Progress
+        from kiln.builder.build import build
+        from kiln.builder.progress import Progress
 
         work = Path(tempfile.mkdtemp(prefix="kiln-gpu-check-"))
         kinds = ["bf16"] + (["fp8"] if major * 10 + minor >= 89 else [])
         line["plans"] = {}
         import transformers
-        from builder.sources import resolve_source
+        from kiln.builder.sources import resolve_source
 
         gguf = Path(resolve_source(GGUF))
         kw = dict(gguf_file=gguf.name)

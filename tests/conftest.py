@@ -51,8 +51,8 @@ def tiny_spec_path() -> Path:
 @pytest.fixture(scope="session")
 def tiny_plan(tiny_spec_path) -> Path:
     """The tiny random-model plan (AOTInductor), built once per fingerprint. Read-only."""
-    from builder.build import build
-    from builder.progress import Progress
+    from kiln.builder.build import build
+    from kiln.builder.progress import Progress
 
     return build(tiny_spec_path, TEST_PLANS / "tiny-random", progress=Progress(enabled=False)).path
 
@@ -61,8 +61,8 @@ def tiny_plan(tiny_spec_path) -> Path:
 def smollm2_plan(smollm2_gguf) -> Path:
     """The default SmolLM2 CPU plan, at plans/smollm2-135m-cpu where `kiln build` puts it (so
     the README's main job and the tests share one build). Read-only."""
-    from builder.build import build
-    from builder.progress import Progress
+    from kiln.builder.build import build
+    from kiln.builder.progress import Progress
 
     return build(ROOT / "model_specs" / "smollm2-135m-cpu.yaml",
                  ROOT / "plans" / "smollm2-135m-cpu", progress=Progress(enabled=False)).path

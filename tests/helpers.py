@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from builder.arch.llama import LlamaModel
+from kiln.builder.arch.llama import LlamaModel
 
 
 @dataclass
@@ -31,7 +31,7 @@ def load_package(package) -> Callable:
     import tempfile
     from pathlib import Path
 
-    from runtime.plan import load_aoti_package
+    from kiln.runtime.plan import load_aoti_package
 
     with tempfile.TemporaryDirectory(prefix="kiln-test-") as scratch:
         return load_aoti_package(Path(package), Path(scratch))
@@ -119,7 +119,7 @@ class Batch:
 def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float32,
                max_seq_len=2048, seed=0) -> Batch:
     """seqs: [(tokens already in the pool, tokens this step)]; blocks shuffled over the pool."""
-    from plugins.paged_kv import kv_format
+    from kiln.plugins.paged_kv import kv_format
 
     g = torch.Generator().manual_seed(seed)
     max_blocks = math.ceil(max_seq_len / bs)
@@ -149,8 +149,8 @@ def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float
 def check_paged_attention(op, batch: Batch, atol=1e-4, rtol=1e-4) -> torch.Tensor:
     """op(*batch.args()) == the pure-torch reference; both pools equal the original except in
     exactly the step's slots, where they hold the reference's bytes (quantized rows included)."""
-    from plugins.paged_kv import kv_format
-    from plugins.paged_kv.ops import paged_attention_reference
+    from kiln.plugins.paged_kv import kv_format
+    from kiln.plugins.paged_kv.ops import paged_attention_reference
 
     kc0, vc0 = batch.k_cache.clone(), batch.v_cache.clone()
     ref_k, ref_v = kc0.clone(), vc0.clone()
@@ -175,7 +175,7 @@ def check_paged_attention(op, batch: Batch, atol=1e-4, rtol=1e-4) -> torch.Tenso
 def check_int32_metadata_and_strided_qkv(op) -> None:
     """op with int32 index tensors and q, k, v as strided views of one fused projection (what
     the Llama model passes) == the reference on contiguous int64 inputs."""
-    from plugins.paged_kv.ops import paged_attention_reference
+    from kiln.plugins.paged_kv.ops import paged_attention_reference
 
     b = make_batch(MIXED, 9, 3, 64, 16, seed=3)
     T, H, KVH, D = b.q.shape[0], 9, 3, 64
@@ -225,7 +225,7 @@ def rows16_digits_bound(x, qw) -> torch.Tensor:
     each group of 32 of x as two int8 digits (at most max|x of the group| / (2 * 127 * 128)
     off each) times the codes' part of each weight, d * q = w - min (the minimums go against
     the float sum of x)."""
-    from plugins.quant import formats
+    from kiln.plugins.quant import formats
 
     gmax = x.abs().reshape(x.shape[0], -1, 32).amax(dim=2).repeat_interleave(32, dim=1)
     mins = formats.dequantize_int4_a8(torch.zeros_like(qw.qweight), qw.scales, qw.zeros)
@@ -235,7 +235,7 @@ def rows16_digits_bound(x, qw) -> torch.Tensor:
 
 def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     """linear(x, quantized w, bias) == dequantize-then-F.linear, within a relative tolerance."""
-    from plugins.quant import formats, ops
+    from kiln.plugins.quant import formats, ops
 
     qw = formats.quantize(w, scheme, gs)
     out = linear(x, qw, bias)
@@ -272,7 +272,7 @@ def spec_problems(text: str) -> tuple[dict[str, str], str]:
     """The spec text's problems ({yaml path: message}, the whole message); it must fail."""
     import pytest
 
-    from builder.spec import SpecError, parse_spec
+    from kiln.builder.spec import SpecError, parse_spec
 
     with pytest.raises(SpecError) as e:
         parse_spec(text)

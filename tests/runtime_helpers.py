@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
-from builder.arch.llama import LlamaConfig, LlamaModel
-from builder.sources.tokenizer_build import bytes_to_unicode
-from runtime.engine import Engine, EngineConfig
-from runtime.executor import Executor, KVLayout
-from runtime.tokenizer import Tokenizer
+from kiln.builder.arch.llama import LlamaConfig, LlamaModel
+from kiln.builder.sources.tokenizer_build import bytes_to_unicode
+from kiln.runtime.engine import Engine, EngineConfig
+from kiln.runtime.executor import Executor, KVLayout
+from kiln.runtime.tokenizer import Tokenizer
 
 torch.set_num_threads(1)  # the test machine is shared: one thread per process runs fastest
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plugins.paged_kv import ops as paged_kv_ops  # registers kiln::paged_attention
+from kiln.plugins.paged_kv import ops as paged_kv_ops  # registers kiln::paged_attention
 
 
 @dataclass(frozen=True)

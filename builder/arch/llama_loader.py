@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 import torch
 
-from builder.arch.llama import LlamaConfig
+from kiln.builder.arch.llama import LlamaConfig
 
 PieceTransform = Callable[[torch.Tensor, LlamaConfig], torch.Tensor]
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from builder.ci.store import PlanStore
-from builder.spec import Spec, SpecError, load_spec
-from builder.uptodate import quick_up_to_date
-from kiln_contracts.manifest import StoredPlan
+from kiln.builder.ci.store import PlanStore
+from kiln.builder.spec import Spec, SpecError, load_spec
+from kiln.builder.uptodate import quick_up_to_date
+from kiln.contracts.manifest import StoredPlan
 
 INPUTS = ("spec", "weights", "toolchain", "target")
 REUSE, BUILD, FAIL = "reuse", "build", "fail"
@@ -97,8 +97,8 @@ def _unchanged(ptr) -> str:
 
 def _fingerprint(spec: Spec) -> tuple[Optional[str], Optional[dict], Optional[str]]:
     """(fingerprint, inputs, None) or (None, None, message). Imports torch."""
-    from builder.build import check_spec_against_model, plan_fingerprint
-    from builder.sources import CheckpointError, open_checkpoint
+    from kiln.builder.build import check_spec_against_model, plan_fingerprint
+    from kiln.builder.sources import CheckpointError, open_checkpoint
 
     try:
         ckpt = open_checkpoint(spec.model)

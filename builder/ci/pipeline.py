@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from builder.ci.assess import BUILD, FAIL, Assessment, assess
-from builder.ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
-from builder.ci.store import PlanStore
+from kiln.builder.ci.assess import BUILD, FAIL, Assessment, assess
+from kiln.builder.ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
+from kiln.builder.ci.store import PlanStore
 
 
 @dataclass(frozen=True)
@@ -133,8 +133,8 @@ def _worker_init(threads: int) -> None:
 def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) -> dict:
     """Build the spec into staging/plan and verify it there. Returns plain data (it may
     cross a process boundary); never raises."""
-    from builder.build import build
-    from builder.progress import Progress
+    from kiln.builder.build import build
+    from kiln.builder.progress import Progress
 
     out: dict = {"ok": False, "staging": staging}
     try:
@@ -148,8 +148,8 @@ def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) ->
         return out
     t = time.perf_counter()
     try:
-        from runtime.plan import load_plan
-        from runtime.verify import verify_plan
+        from kiln.runtime.plan import load_plan
+        from kiln.runtime.tools.verify import verify_plan
 
         report = verify_plan(load_plan(res.path), reference)
     except Exception as e:
@@ -163,13 +163,13 @@ def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) ->
 
 
 def _message(e: BaseException) -> str:
-    from builder.spec import SpecError
+    from kiln.builder.spec import SpecError
 
     known = (SpecError,)
     try:
-        from builder.build import BuildError
-        from builder.sources import CheckpointError
-        from runtime.plan import PlanError
+        from kiln.builder.build import BuildError
+        from kiln.builder.sources import CheckpointError
+        from kiln.runtime.plan import PlanError
 
         known += (BuildError, CheckpointError, PlanError)
     except Exception:
@@ -252,7 +252,7 @@ def _toolchain() -> dict:
     """kiln and torch versions without importing torch (package metadata)."""
     from importlib import metadata
 
-    from kiln_contracts import KILN_VERSION
+    from kiln.contracts import KILN_VERSION
 
     try:
         torch_version = metadata.version("torch")

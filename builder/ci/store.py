@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kiln_contracts import MANIFEST_FILE as MANIFEST
-from kiln_contracts.manifest import StoredPlan
+from kiln.contracts import MANIFEST_FILE as MANIFEST
+from kiln.contracts.manifest import StoredPlan
 
 
 class StoreError(RuntimeError):
@@ -79,7 +79,7 @@ class PlanStore:
 
     def manifest(self, fp: str) -> Optional[StoredPlan]:
         """What every format version of a stored plan's plan.json records (plans outlive the
-        kiln that built them: kiln_contracts.manifest.StoredPlan)."""
+        kiln that built them: kiln.contracts.manifest.StoredPlan)."""
         return StoredPlan.from_json(_read_json(self.plan_dir(fp) / MANIFEST))
 
     def has(self, fp: str) -> bool:

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from builder.arch.llama import LlamaModel, rope_inv_freq
-from builder.sources.base import Checkpoint, CheckpointError
-from builder.uptodate import PKG_SCHEME, find_package_dir
+from kiln.builder.arch.llama import LlamaModel, rope_inv_freq
+from kiln.builder.sources.base import Checkpoint, CheckpointError
+from kiln.builder.uptodate import PKG_SCHEME, find_package_dir
 
 __all__ = ["Checkpoint", "CheckpointError", "open_checkpoint", "resolve_source", "load_model"]
 
@@ -63,16 +63,16 @@ def open_checkpoint(model) -> Checkpoint:
     """
     src = resolve_source(model.source)
     if src == "random":
-        from builder.sources.random_source import open_random
+        from kiln.builder.sources.random_source import open_random
         tok = resolve_source(model.tokenizer) if model.tokenizer else None
         ckpt = open_random(model.arch, model.seed, tok)
     else:
         path = Path(src)
         if path.is_dir():
-            from builder.sources.hf import open_hf_dir
+            from kiln.builder.sources.hf import open_hf_dir
             ckpt = open_hf_dir(path)
         elif path.suffix == ".gguf" or _has_gguf_magic(path):
-            from builder.sources.gguf_file import open_gguf
+            from kiln.builder.sources.gguf_file import open_gguf
             ckpt = open_gguf(path)
         else:
             raise CheckpointError(f"{path}: not a checkpoint (expected a HF directory with "

@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from builder.arch.llama import LlamaConfig
+from kiln.builder.arch.llama import LlamaConfig
 
 
 class CheckpointError(ValueError):

@@ -13,11 +13,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from builder.arch.llama import LlamaConfig
-from builder.arch.llama_loader import MappingError, plan_mapping
-from builder.sources.base import Checkpoint, CheckpointError, build_mapped
-from builder.sources.digest import file_sha256
-from builder.sources.tokenizer_build import from_gguf_vocab
+from kiln.builder.arch.llama import LlamaConfig
+from kiln.builder.arch.llama_loader import MappingError, plan_mapping
+from kiln.builder.sources.base import Checkpoint, CheckpointError, build_mapped
+from kiln.builder.sources.digest import file_sha256
+from kiln.builder.sources.tokenizer_build import from_gguf_vocab
 
 ARCHS = ("llama", "mistral", "qwen2")
 MAGIC = b"GGUF"

@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from builder.arch.llama import LlamaConfig
-from builder.arch.llama_loader import MappingError, plan_mapping
-from builder.sources.base import Checkpoint, CheckpointError, build_mapped
-from builder.sources.digest import files_sha256
+from kiln.builder.arch.llama import LlamaConfig
+from kiln.builder.arch.llama_loader import MappingError, plan_mapping
+from kiln.builder.sources.base import Checkpoint, CheckpointError, build_mapped
+from kiln.builder.sources.digest import files_sha256
 
 INDEX = "model.safetensors.index.json"
 

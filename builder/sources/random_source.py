@@ -14,15 +14,15 @@ from typing import Iterator, Optional
 
 import torch
 
-from builder.arch.llama import LlamaConfig, param_shapes
-from builder.sources.base import Checkpoint, CheckpointError
-from builder.sources.tokenizer_build import byte_level
+from kiln.builder.arch.llama import LlamaConfig, param_shapes
+from kiln.builder.sources.base import Checkpoint, CheckpointError
+from kiln.builder.sources.tokenizer_build import byte_level
 
 GENERATOR_VERSION = 1   # bump when the drawing scheme changes (changes every digest)
 
 
 def config_from_arch(arch) -> LlamaConfig:
-    """builder.spec.RandomArch -> LlamaConfig (via the HF config.json field names)."""
+    """kiln.builder.spec.RandomArch -> LlamaConfig (via the HF config.json field names)."""
     cfg = arch.model_dump()
     hf = {"model_type": "qwen2" if cfg["attention_bias"] else "llama", **cfg}
     try:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plugins import cpp_build
-from plugins.isa import IsaLevel
+from kiln.plugins import cpp_build
+from kiln.plugins.isa import IsaLevel
 
 NAME = "kiln_engine_call"
 SOURCES = [Path(__file__).parent / "csrc" / "engine_call.cpp"]

@@ -1,5 +1,5 @@
 """In-flight batching: the scheduler (waiting/running queues, chunked prefill, policies)."""
-from plugins.inflight_batching.scheduler import (POLICIES, RequestRefused, Scheduler,
+from kiln.plugins.inflight_batching.scheduler import (POLICIES, RequestRefused, Scheduler,
                                                  SchedulerConfig, SchedulerOutput, TokenSequence,
                                                  SequenceStatus, StepOutput)
 

@@ -29,8 +29,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from kiln_contracts import FieldError, default_input_len
-from plugins.paged_kv.block_pool import BlockPool
+from kiln.contracts import FieldError, default_input_len
+from kiln.plugins.paged_kv.block_pool import BlockPool
 
 POLICIES = ("guaranteed_no_evict", "max_utilization")
 

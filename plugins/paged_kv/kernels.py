@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plugins import cpp_build
-from plugins.isa import IsaLevel
-from plugins.paged_kv import ops  # noqa: F401  (defines the op's schema before its kernels)
+from kiln.plugins import cpp_build
+from kiln.plugins.isa import IsaLevel
+from kiln.plugins.paged_kv import ops  # noqa: F401  (defines the op's schema before its kernels)
 
 NAME = "kiln_paged_attention"
 SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from plugins.paged_kv import kv_format
+from kiln.plugins.paged_kv import kv_format
 
 SCHEMA = (
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
@@ -99,7 +99,7 @@ def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, conte
     AOTInductor compiles into the plan), elsewhere kiln::paged_attention (the fastest kernel
     registered for the device). Chosen when the model is traced: devices are static."""
     if q.device.type == "cuda":
-        from plugins.paged_kv import triton_attention  # noqa: F401  (imports triton)
+        from kiln.plugins.paged_kv import triton_attention  # noqa: F401  (imports triton)
 
         op = torch.ops.kiln.paged_attention_triton
     else:

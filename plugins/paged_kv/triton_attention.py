@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from plugins.paged_kv import kv_format
+from kiln.plugins.paged_kv import kv_format
 
 OP = "kiln::paged_attention_triton"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

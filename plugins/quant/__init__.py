@@ -3,4 +3,4 @@
 Importing registers the kiln::linear_{int8,int4,fp8} schemas and reference kernels;
 `plugins.quant.kernels.load()` adds the compiled CPU kernels.
 """
-from plugins.quant import ops  # noqa: F401  (registers the kiln::linear_* ops)
+from kiln.plugins.quant import ops  # noqa: F401  (registers the kiln::linear_* ops)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from plugins import cpp_build
-from plugins.isa import IsaLevel
-from plugins.quant import ops  # noqa: F401  (the schemas must exist before the kernels)
+from kiln.plugins import cpp_build
+from kiln.plugins.isa import IsaLevel
+from kiln.plugins.quant import ops  # noqa: F401  (the schemas must exist before the kernels)
 
 NAME = "kiln_quant"
 SOURCES = [Path(__file__).parent / "csrc" / "quant_linear.cpp",

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from plugins.quant import formats, ops
+from kiln.plugins.quant import formats, ops
 
 
 class QuantLinear(nn.Module):

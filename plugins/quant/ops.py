@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from plugins.quant import formats
+from kiln.plugins.quant import formats
 
 SCHEMAS = {
     "linear_int8": "linear_int8(Tensor x, Tensor qweight, Tensor scales, Tensor? bias) -> Tensor",
@@ -216,7 +216,7 @@ def quant_linear(x: torch.Tensor, qw: formats.QuantizedWeight,
             return F.linear(x, qw.qweight, bias)
         if qw.scheme == "bf16":   # cuBLAS in x's dtype (float32 accumulation)
             return F.linear(x, qw.qweight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        from plugins.quant import triton_linear  # imports triton
+        from kiln.plugins.quant import triton_linear  # imports triton
 
         return triton_linear.quant_linear(x, qw, bias)
     if qw.scheme == "int8":

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from plugins.paged_kv.triton_attention import _bf16_bits, dot_precision
-from plugins.quant import formats
+from kiln.plugins.paged_kv.triton_attention import _bf16_bits, dot_precision
+from kiln.plugins.quant import formats
 
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_M = 16

@@ -27,18 +27,18 @@ from grpc_reflection.v1alpha import reflection
 from tritonclient.grpc import service_pb2 as kserve_pb2
 from tritonclient.grpc import service_pb2_grpc as kserve_pb2_grpc
 
-from kiln_contracts import FieldError
-from kiln_contracts.manifest import PlanManifest
-from runtime.compute import name_os_thread
-from runtime.engine import Engine, EngineConfig
-from runtime.plan import Plan, load_plan, read_manifest
-from runtime.server.auth import BearerToken
-from runtime.server.errors import ServeError
-from runtime.server.frontend import Frontend, State
-from runtime.server.kserve import KServeService
-from runtime.server.limits import RequestLimits
-from runtime.server.native import NativeService
-from runtime.server.proto import kiln_pb2, kiln_pb2_grpc
+from kiln.contracts import FieldError
+from kiln.contracts.manifest import PlanManifest
+from kiln.runtime.compute import name_os_thread
+from kiln.runtime.engine import Engine, EngineConfig
+from kiln.runtime.plan import Plan, load_plan, read_manifest
+from kiln.runtime.server.auth import BearerToken
+from kiln.runtime.server.errors import ServeError
+from kiln.runtime.server.frontend import Frontend, State
+from kiln.runtime.server.kserve import KServeService
+from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.native import NativeService
+from kiln.runtime.server.proto import kiln_pb2, kiln_pb2_grpc
 
 log = logging.getLogger("kiln.server")
 
@@ -76,7 +76,7 @@ class ServeConfig:
 def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
     """Validate settings against the manifest before anything binds -> (manifest, model
     name). Raises ServeError."""
-    from runtime.plan import PlanError
+    from kiln.runtime.plan import PlanError
     try:
         manifest = read_manifest(cfg.plan)
     except PlanError as e:
@@ -161,7 +161,7 @@ async def serve(cfg: ServeConfig) -> int:
     await server.start()
     http = None
     if cfg.http_port is not None:   # same loop, same Frontend (engine, metrics, drain)
-        from runtime.server.openai_http import HttpServer
+        from kiln.runtime.server.openai_http import HttpServer
         http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
         try:
             await http.start(cfg.host, cfg.http_port)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import grpc
 
-from plugins.inflight_batching import RequestRefused
-from runtime.engine import EngineError, QueueFullError
+from kiln.plugins.inflight_batching import RequestRefused
+from kiln.runtime.engine import EngineError, QueueFullError
 
 
 class ServeError(RuntimeError):

@@ -20,12 +20,12 @@ import itertools
 import time
 from typing import AsyncIterator, Optional
 
-from runtime.engine import Engine, Prompt, RequestOutput, RequestStream
-from runtime.plan import Plan
-from runtime.sampling import SamplingParams
-from runtime.server.errors import ServiceError, classify, unavailable
-from runtime.server.limits import RequestLimits
-from runtime.server.metrics import Metrics
+from kiln.runtime.engine import Engine, Prompt, RequestOutput, RequestStream
+from kiln.runtime.plan import Plan
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.errors import ServiceError, classify, unavailable
+from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.metrics import Metrics
 
 
 class State(enum.Enum):

@@ -30,13 +30,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from kiln_contracts import KILN_VERSION, FieldError
-from runtime.engine import RequestOutput
-from runtime.guided import GuidedDecoding
-from runtime.sampling import SamplingParams
-from runtime.server.errors import ServiceError, invalid, not_found
-from runtime.server.frontend import Frontend
-from runtime.server.tensors import Tensor, decode_inputs, encode
+from kiln.contracts import KILN_VERSION, FieldError
+from kiln.runtime.engine import RequestOutput
+from kiln.runtime.guided import GuidedDecoding
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.errors import ServiceError, invalid, not_found
+from kiln.runtime.server.frontend import Frontend
+from kiln.runtime.server.tensors import Tensor, decode_inputs, encode
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sized
 
-from kiln_contracts import FieldError
-from runtime.sampling import SamplingParams
-from runtime.server.errors import invalid
+from kiln.contracts import FieldError
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.errors import invalid
 
 MiB = 2**20
 

@@ -12,8 +12,8 @@ from typing import Callable, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from runtime.engine import Engine, RequestOutput
-from runtime.server.auth import BearerToken
+from kiln.runtime.engine import Engine, RequestOutput
+from kiln.runtime.server.auth import BearerToken
 
 # Latency buckets (seconds): sub-millisecond CPU decode steps up to minute-long requests.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 
-from runtime.engine import RequestOutput
-from runtime.guided import GuidedDecoding
-from runtime.sampling import SamplingParams
-from runtime.server.errors import ServiceError, classify, invalid
-from runtime.server.frontend import Frontend
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.engine import RequestOutput
+from kiln.runtime.guided import GuidedDecoding
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.errors import ServiceError, classify, invalid
+from kiln.runtime.server.frontend import Frontend
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 
 _OPTIONAL = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",

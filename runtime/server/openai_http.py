@@ -26,12 +26,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.engine import RequestOutput
-from runtime.server.auth import BearerToken
-from runtime.server.errors import ServeError, ServiceError
-from runtime.server.frontend import Frontend
-from runtime.server.limits import RequestLimits
-from runtime.server.openai_protocol import (FINISH, ChoiceState, OpenAIError, OpenAIRequest,
+from kiln.runtime.engine import RequestOutput
+from kiln.runtime.server.auth import BearerToken
+from kiln.runtime.server.errors import ServeError, ServiceError
+from kiln.runtime.server.frontend import Frontend
+from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.openai_protocol import (FINISH, ChoiceState, OpenAIError, OpenAIRequest,
                                             chunk_json, envelope, final_json, invalid,
                                             parse_chat, parse_completion, usage_json)
 

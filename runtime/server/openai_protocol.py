@@ -24,12 +24,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kiln_contracts import FieldError
-from runtime.engine import RequestOutput, Usage
-from runtime.sampling import MAX_LOGPROBS, SEED_MAX, SamplingParams, TokenLogprobs
-from runtime.server.openai_tools import GUIDED_PARAMS, ToolError, Tools, guided_of, \
+from kiln.contracts import FieldError
+from kiln.runtime.engine import RequestOutput, Usage
+from kiln.runtime.sampling import MAX_LOGPROBS, SEED_MAX, SamplingParams, TokenLogprobs
+from kiln.runtime.server.openai_tools import GUIDED_PARAMS, ToolError, Tools, guided_of, \
     parse_tools, render_messages
-from runtime.tokenizer import Tokenizer
+from kiln.runtime.tokenizer import Tokenizer
 
 MAX_N = 64   # choices per prompt
 

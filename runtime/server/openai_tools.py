@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from runtime.guided import GuidedDecoding
+from kiln.runtime.guided import GuidedDecoding
 
 GUIDED_PARAMS = ("response_format", "guided_json", "guided_regex", "guided_choice",
                  "guided_grammar")

@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from runtime.server.errors import invalid
+from kiln.runtime.server.errors import invalid
 
 # datatype -> (numpy dtype for raw data, InferTensorContents field, struct format of one
 # little-endian element)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from builder.sources import load_model, open_checkpoint
-from builder.spec import ModelSection
+from kiln.builder.sources import load_model, open_checkpoint
+from kiln.builder.spec import ModelSection
 from tests.conftest import SMOLLM2_GGUF_SOURCE
 from tests.helpers import greedy_generate
 

@@ -8,8 +8,8 @@ import json
 import jsonschema
 import pytest
 
-from runtime.engine import Engine
-from runtime.server.openai_protocol import ChoiceState, final_json, parse_chat
+from kiln.runtime.engine import Engine
+from kiln.runtime.server.openai_protocol import ChoiceState, final_json, parse_chat
 
 pytestmark = pytest.mark.e2e
 

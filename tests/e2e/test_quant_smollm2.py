@@ -13,11 +13,11 @@ import json
 
 import pytest
 
-from builder.build import build
-from builder.progress import Progress
-from runtime.engine import Engine
-from runtime.plan import load_plan
-from runtime.sampling import SamplingParams
+from kiln.builder.build import build
+from kiln.builder.progress import Progress
+from kiln.runtime.engine import Engine
+from kiln.runtime.plan import load_plan
+from kiln.runtime.sampling import SamplingParams
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import Engine
-from runtime.executor import ModelInput
-from runtime.sampling import SamplingParams
+from kiln.runtime.engine import Engine
+from kiln.runtime.executor import ModelInput
+from kiln.runtime.sampling import SamplingParams
 
 pytestmark = pytest.mark.e2e
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from plugins.paged_kv.ops import paged_attention_reference
+from kiln.plugins.paged_kv.ops import paged_attention_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -34,8 +34,8 @@ def _cuda(batch):
 ])
 @pytest.mark.parametrize("H,KVH,D,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 36, 8)])
 def test_paged_attention_triton_matches_reference(dtype, cache, tol, H, KVH, D, bs):
-    from plugins.paged_kv import triton_attention  # noqa: F401
-    from plugins.paged_kv.ops import paged_attention_reference
+    from kiln.plugins.paged_kv import triton_attention  # noqa: F401
+    from kiln.plugins.paged_kv.ops import paged_attention_reference
     from tests.helpers import MIXED, make_batch
 
     if cache == torch.float8_e4m3fn and _sm() < 89:
@@ -54,7 +54,7 @@ def test_paged_attention_triton_matches_reference(dtype, cache, tol, H, KVH, D, 
 @pytest.mark.parametrize("m", [1, 33, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_linear_triton_matches_reference(scheme, gs, m, dtype):
-    from plugins.quant import formats, ops
+    from kiln.plugins.quant import formats, ops
 
     if scheme == "fp8" and _sm() < 89:
         pytest.skip("E4M3 needs sm_89")
@@ -75,8 +75,8 @@ def test_quant_linear_triton_matches_reference(scheme, gs, m, dtype):
 def test_aoti_compiles_triton_ops_and_writes_pools_in_place(tmp_path):
     from torch.export import Dim
 
-    from plugins.paged_kv import ops as pa_ops
-    from plugins.quant import formats, ops as q_ops
+    from kiln.plugins.paged_kv import ops as pa_ops
+    from kiln.plugins.quant import formats, ops as q_ops
     from tests.helpers import make_batch
 
     class Layer(torch.nn.Module):
@@ -112,8 +112,8 @@ def test_aoti_compiles_triton_ops_and_writes_pools_in_place(tmp_path):
 
 
 def test_build_machine_check_passes_for_this_gpu():
-    from builder import gpu
-    from builder.spec import parse_spec
+    from kiln.builder import gpu
+    from kiln.builder.spec import parse_spec
 
     major, minor = torch.cuda.get_device_capability()
     spec = parse_spec(f"""
@@ -130,9 +130,9 @@ precision: {{weights: bf16, activations: bf16}}
 
 
 def test_decode_graphs_replay_equals_the_eager_step():
-    from plugins.paged_kv import kv_format
-    from runtime.cuda_graphs import DecodeGraphs
-    from runtime.executor import ModelInput
+    from kiln.plugins.paged_kv import kv_format
+    from kiln.runtime.cuda_graphs import DecodeGraphs
+    from kiln.runtime.executor import ModelInput
     from tests.runtime_helpers import tiny_model
 
     model = tiny_model().cuda()

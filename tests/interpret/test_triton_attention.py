@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from plugins.paged_kv import kv_format, triton_attention  # noqa: E402
+from kiln.plugins.paged_kv import kv_format, triton_attention  # noqa: E402
 from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES,  # noqa: E402
                            Batch, check_int32_metadata_and_strided_qkv, check_paged_attention,
                            make_batch)

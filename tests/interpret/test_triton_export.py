@@ -23,8 +23,8 @@ SCRIPT = r'''
 import json
 import torch
 from torch.export import Dim
-from plugins.paged_kv import triton_attention
-from plugins.quant import formats, triton_linear
+from kiln.plugins.paged_kv import triton_attention
+from kiln.plugins.quant import formats, triton_linear
 from triton.runtime.jit import JITFunction
 from tests.helpers import make_batch
 

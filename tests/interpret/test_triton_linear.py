@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from plugins.quant import formats, triton_linear  # noqa: E402
+from kiln.plugins.quant import formats, triton_linear  # noqa: E402
 from tests.helpers import (K_NOT_MULTIPLE_OF_32, ODD_BATCHES, ODD_SHAPES,  # noqa: E402
                            SMOLLM2_SHAPES, check_quant_linear)
 

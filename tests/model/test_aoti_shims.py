@@ -7,11 +7,11 @@ import zipfile
 import pytest
 import torch
 
-from builder.compile import compile_engine
-from builder.target import resolve_level
-from plugins import shims
-from plugins.paged_kv import kernels as pa_kernels
-from plugins.quant import formats, kernels as q_kernels
+from kiln.builder.compile import compile_engine
+from kiln.builder.target import resolve_level
+from kiln.plugins import shims
+from kiln.plugins.paged_kv import kernels as pa_kernels
+from kiln.plugins.quant import formats, kernels as q_kernels
 from tests.helpers import load_package
 
 pytestmark = pytest.mark.model

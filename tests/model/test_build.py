@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder.build import build
-from builder.fingerprint import fingerprint, fingerprint_inputs
-from builder.spec import load_spec, parse_spec
-from runtime.executor import Executor, ModelInput
-from runtime.plan import PlanError, load_plan
+from kiln.builder.build import build
+from kiln.builder.fingerprint import fingerprint, fingerprint_inputs
+from kiln.builder.spec import load_spec, parse_spec
+from kiln.runtime.executor import Executor, ModelInput
+from kiln.runtime.plan import PlanError, load_plan
 
 pytestmark = pytest.mark.model
 
@@ -54,7 +54,7 @@ def test_engine_call_checks_its_argument_layout_once(tiny_plan):
 
 def test_compiled_plan_matches_eager_model(tiny_plan):
     """The AOTI engine and the eager model agree over several steps of a shared pool."""
-    from builder.sources import load_model, open_checkpoint
+    from kiln.builder.sources import load_model, open_checkpoint
 
     spec = load_spec(ROOT / "model_specs" / "tiny-random.yaml")
     model = load_model(open_checkpoint(spec.model)).eval()
@@ -116,7 +116,7 @@ def test_plan_for_missing_isa_is_refused(tiny_plan, tmp_path):
 
 def test_plan_escaping_its_directory_is_refused_before_loading(tiny_plan, tmp_path):
     """engine/kernel entries outside the plan, or not checksummed, are refused by load_plan."""
-    from runtime.executor import Executor
+    from kiln.runtime.executor import Executor
 
     evil = tmp_path / "x.so"
     evil.write_bytes(b"not a library")
@@ -158,7 +158,7 @@ def test_corrupt_manifest_names_the_field(tiny_plan, tmp_path):
 
 def test_loading_a_plan_hashes_each_file_once(tiny_plan, monkeypatch):
     """load_plan hashes the data files, the step loader the code files as it copies them."""
-    from runtime import plan as rplan
+    from kiln.runtime import plan as rplan
 
     hashed = []
     sha256_file, verified_copy = rplan.sha256_file, rplan.verified_copy
@@ -183,8 +183,8 @@ def test_loading_a_plan_leaves_no_temporary_files(tiny_plan, tmp_path):
     the engine in /tmp on every such exit)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = ("import os, sys; from runtime.compute import claim_process; claim_process(1)\n"
-            "from runtime.plan import load_plan; from runtime.executor import Executor\n"
+    code = ("import os, sys; from kiln.runtime.compute import claim_process; claim_process(1)\n"
+            "from kiln.runtime.plan import load_plan; from kiln.runtime.executor import Executor\n"
             f"ex = Executor.from_plan(load_plan({str(tiny_plan)!r}), kv_budget_bytes=1 << 20)\n"
             "from pathlib import Path\n"
             "print([str(f) for f in Path(os.environ['TMPDIR']).rglob('*') if f.is_file()])\n"
@@ -202,7 +202,7 @@ def test_build_leaves_no_compiled_model_in_inductors_cache(tiny_spec_path, tmp_p
     """The generated model (.cpp, and a .so that embeds the weights) is removed once packaged;
     Inductor's cache used to keep one per build (100-540 MB each for SmolLM2)."""
     cache = tmp_path / "inductor-cache"
-    code = ("from builder.build import build; from builder.progress import Progress\n"
+    code = ("from kiln.builder.build import build; from kiln.builder.progress import Progress\n"
             f"build({str(tiny_spec_path)!r}, {str(tmp_path / 'plan')!r}, "
             "progress=Progress(enabled=False))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -278,7 +278,7 @@ def test_fingerprint_changes_with_every_input(tiny_spec_path):
 def test_edited_plan_code_is_not_up_to_date(tiny_spec_path, monkeypatch):
     """The quick key and the fingerprint follow the builder's and plugins' sources: an edited
     kernel or builder rebuilds plans at the same version number (no stale cache)."""
-    from builder import uptodate
+    from kiln.builder import uptodate
 
     spec = load_spec(tiny_spec_path)
     key, fp = uptodate.quick_key(spec), fingerprint(fingerprint_inputs(spec, "w" * 64))

@@ -25,10 +25,10 @@ import kiln
 import torch
 from typer.testing import CliRunner
 
-from builder.ci.assess import find_specs
-from builder.ci.pipeline import CIOptions, rebuild
-from builder.ci.report import render_markdown
-from builder.ci.store import PlanStore
+from kiln.builder.ci.assess import find_specs
+from kiln.builder.ci.pipeline import CIOptions, rebuild
+from kiln.builder.ci.report import render_markdown
+from kiln.builder.ci.store import PlanStore
 from kiln.cli import app
 
 pytestmark = pytest.mark.model
@@ -73,7 +73,7 @@ def spec_text(name: str, source: str, batch: int = 4, extra: str = "") -> str:
 
 
 def write_checkpoint(d: Path, seed: int) -> None:
-    from builder.sources.tokenizer_build import byte_level
+    from kiln.builder.sources.tokenizer_build import byte_level
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
@@ -237,7 +237,7 @@ def test_replaced_weights_rebuild_the_specs_using_them(repo):
 
 
 def test_toolchain_change_rebuilds_all(repo, monkeypatch):
-    import builder.fingerprint as fpmod
+    import kiln.builder.fingerprint as fpmod
 
     real = fpmod.toolchain
     monkeypatch.setattr(fpmod, "toolchain", lambda: {**real(), "kiln": "9.9.9-test"})

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kiln_contracts.manifest import LimitsSection, SchedulerSection
-from plugins.inflight_batching import RequestRefused
-from runtime.engine import EngineConfig, QueueFullError
-from runtime.plan import Plan, read_manifest
-from runtime.sampling import SamplingParams
+from kiln.contracts.manifest import LimitsSection, SchedulerSection
+from kiln.plugins.inflight_batching import RequestRefused
+from kiln.runtime.engine import EngineConfig, QueueFullError
+from kiln.runtime.plan import Plan, read_manifest
+from kiln.runtime.sampling import SamplingParams
 from tests.runtime_helpers import tiny_engine, tiny_model
 
 pytestmark = pytest.mark.model

@@ -14,10 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # Both scripts: argv[1] the plan; one sequence of three tokens in block 1 of a small KV pool.
 PROLOGUE = """
 import sys, threading
-from runtime.compute import claim_process
+from kiln.runtime.compute import claim_process
 claim_process(1)
-from runtime.executor import Executor, ModelInput
-from runtime.plan import load_plan
+from kiln.runtime.executor import Executor, ModelInput
+from kiln.runtime.plan import load_plan
 plan = load_plan(sys.argv[1])
 ex = Executor.from_plan(plan, kv_budget_bytes=1 << 20)
 bs = plan.manifest.kv_cache.tokens_per_block

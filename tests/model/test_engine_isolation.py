@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from plugins.inflight_batching import RequestRefused
-from runtime.engine import EngineError
-from runtime.sampling import Sampler, SamplingParams
+from kiln.plugins.inflight_batching import RequestRefused
+from kiln.runtime.engine import EngineError
+from kiln.runtime.sampling import Sampler, SamplingParams
 from tests.runtime_helpers import VOCAB, tiny_engine
 
 pytestmark = pytest.mark.model

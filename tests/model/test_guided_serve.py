@@ -17,8 +17,8 @@ import pytest
 import tritonclient.grpc as triton
 import yaml
 
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 from tests.conftest import ROOT, TEST_PLANS
 from tests.server_helpers import HttpServerProcess, copy_with_chat_template
 
@@ -36,8 +36,8 @@ CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role']
 def guided_plan(tmp_path_factory):
     """The tiny random model with room for tool prompts (one token per byte): 2,048 tokens of
     context (tool prompts are long), 16 sequences a step, SmolLM2's chat template."""
-    from builder.build import build
-    from builder.progress import Progress
+    from kiln.builder.build import build
+    from kiln.builder.progress import Progress
 
     spec = yaml.safe_load((ROOT / "model_specs" / "tiny-random.yaml").read_text())
     spec["name"] = MODEL

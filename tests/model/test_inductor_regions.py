@@ -1,4 +1,4 @@
-"""builder.target.kernel_regions: AOTInductor's CPU kernels are the same whatever thread
+"""kiln.builder.target.kernel_regions: AOTInductor's CPU kernels are the same whatever thread
 count the build process runs at, correct for any team size at run time, and fork their
 OpenMP region only for calls of at least `min_elements` elements."""
 import contextlib
@@ -7,7 +7,7 @@ import zipfile
 import pytest
 import torch
 
-from builder.target import inductor_isa, kernel_regions, resolve_level
+from kiln.builder.target import inductor_isa, kernel_regions, resolve_level
 from tests.helpers import load_package
 
 pytestmark = pytest.mark.model

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from plugins import isa
+from kiln.plugins import isa
 from tests.conftest import TEST_PLANS
 from tests.model.test_quant_plans import tiny_spec, write_spec
 
@@ -33,8 +33,8 @@ LEVELS = [n for n in isa.LEVEL_NAMES
 RUN = r"""
 import json, sys, torch
 torch.set_num_threads(1)
-from runtime.executor import Executor, ModelInput
-from runtime.plan import load_plan
+from kiln.runtime.executor import Executor, ModelInput
+from kiln.runtime.plan import load_plan
 ex = Executor.from_plan(load_plan(sys.argv[1]))
 g = torch.Generator().manual_seed(1)
 tables, lens, starts = [[5, 2, 9], [1, 7, 3]], [20, 7], [0, 0]
@@ -140,9 +140,9 @@ def test_lower_level_code_has_no_higher_instructions(isa_plans, level, tmp_path)
 
 KERNELS = r"""
 import sys, torch
-from plugins import isa
-from plugins.quant import formats, kernels, ops
-from plugins.cpp_build import kernel_path
+from kiln.plugins import isa
+from kiln.plugins.quant import formats, kernels, ops
+from kiln.plugins.cpp_build import kernel_path
 from tests.helpers import rows16_digits_bound
 lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
@@ -214,9 +214,9 @@ def test_quant_kernels_match_references_at_every_level(level):
 
 ATTENTION = r"""
 import sys, torch
-from plugins import isa
-from plugins.cpp_build import kernel_path
-from plugins.paged_kv import kernels
+from kiln.plugins import isa
+from kiln.plugins.cpp_build import kernel_path
+from kiln.plugins.paged_kv import kernels
 from tests.helpers import MIXED, check_paged_attention, make_batch
 lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)

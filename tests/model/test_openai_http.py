@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from runtime.server.client import stream_generate
+from kiln.runtime.tools.client import stream_generate
 from tests.server_helpers import HttpServerProcess, copy_with_chat_template
 
 pytestmark = pytest.mark.model
@@ -294,7 +294,7 @@ def test_non_streamed_request_of_a_gone_client_is_cancelled(server):
 # ends (a real load takes about a second, which a request sent just after a 503 could outlast)
 GATED_SERVE = """
 import os, sys, time
-import runtime.server.app as app
+import kiln.runtime.server.app as app
 real = app._load
 def _load(cfg):
     while not os.path.exists(GATE):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.paged_kv import kernels, kv_format
+from kiln.plugins.paged_kv import kernels, kv_format
 from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES, Batch,
                            check_int32_metadata_and_strided_qkv, check_paged_attention,
                            make_batch)

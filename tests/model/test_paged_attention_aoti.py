@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from plugins.paged_kv import kernels
-from plugins.paged_kv.ops import paged_attention_reference
+from kiln.plugins.paged_kv import kernels
+from kiln.plugins.paged_kv.ops import paged_attention_reference
 from tests.helpers import load_package
 
 pytestmark = pytest.mark.model

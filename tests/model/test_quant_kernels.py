@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from plugins.quant import formats, kernels, ops
-from plugins.quant.modules import QuantLinear
+from kiln.plugins.quant import formats, kernels, ops
+from kiln.plugins.quant.modules import QuantLinear
 from tests.helpers import (K_NOT_MULTIPLE_OF_32, ODD_BATCHES, ODD_SHAPES, SMOLLM2_SHAPES,
                            check_quant_linear, load_package, rows16_digits_bound)
 

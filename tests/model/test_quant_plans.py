@@ -14,13 +14,13 @@ import pytest
 import torch
 import yaml
 
-from builder.build import BuildError, build
-from builder.progress import Progress
-from builder.spec import SpecError, parse_spec
-from kiln_contracts.manifest import PlanManifest
-from runtime.engine import Engine
-from runtime.plan import load_plan
-from runtime.sampling import SamplingParams
+from kiln.builder.build import BuildError, build
+from kiln.builder.progress import Progress
+from kiln.builder.spec import SpecError, parse_spec
+from kiln.contracts.manifest import PlanManifest
+from kiln.runtime.engine import Engine
+from kiln.runtime.plan import load_plan
+from kiln.runtime.sampling import SamplingParams
 from tests.conftest import TEST_PLANS
 
 pytestmark = pytest.mark.model
@@ -101,8 +101,8 @@ def test_plan_generates(quant_plans, prec):
 
 
 def test_rerun_gate_matches_the_build(quant_plans):
-    from runtime.accuracy import rerun_gate
-    from runtime.verify import verify_plan
+    from kiln.runtime.accuracy import rerun_gate
+    from kiln.runtime.tools.verify import verify_plan
 
     plan = load_plan(quant_plans["int8"])
     got = rerun_gate(plan)
@@ -113,7 +113,7 @@ def test_rerun_gate_matches_the_build(quant_plans):
 
 
 def test_inspect_shows_accuracy(quant_plans):
-    from runtime.inspect import describe
+    from kiln.runtime.tools.inspect import describe
 
     m = PlanManifest.loads((quant_plans["int4"] / "plan.json").read_text())
     line = [l for l in describe(m).splitlines() if l.startswith("accuracy")][0]
@@ -121,8 +121,8 @@ def test_inspect_shows_accuracy(quant_plans):
 
 
 def test_reference_is_cached(tmp_path, monkeypatch):
-    from builder.accuracy import Gate
-    from builder.sources import open_checkpoint
+    from kiln.builder.accuracy import Gate
+    from kiln.builder.sources import open_checkpoint
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     spec = parse_spec(yaml.safe_dump(tiny_spec("t", {"weights": "int8"}, backend="eager")))
@@ -175,8 +175,8 @@ def test_quantized_kv_plan_gates_and_records(kv_plans, name):
 def test_quantized_kv_pool_holds_more_and_batches_like_alone(kv_plans, name):
     """The pool is int8/fp8 rows with scales, sized from the same budget (so ~2x the blocks of
     a bf16 cache); greedy output of a batch equals each request alone; no block leaks."""
-    from plugins.paged_kv import kv_format
-    from runtime.inspect import describe
+    from kiln.plugins.paged_kv import kv_format
+    from kiln.runtime.tools.inspect import describe
 
     plan = load_plan(kv_plans[name])
     prompts = [[5, 6, 7, 8], list(range(40, 100)), list(range(200, 237)), [9] * 20]
@@ -329,8 +329,8 @@ def test_activation_quantized_plans_give_a_sequence_the_same_logits_batched_and_
     path its rows take (AMX tiles from 32 rows of W4A8 where the plan has them, the rest and
     smaller steps on VNNI): prefills of 10 and 40 tokens alone and beside others, and a decode
     step alone and beside 5 others."""
-    from runtime.executor import Executor, KVLayout, ModelInput
-    from runtime.plan import load_step_fn
+    from kiln.runtime.executor import Executor, KVLayout, ModelInput
+    from kiln.runtime.plan import load_step_fn
 
     plan = load_plan(_built(tmp_path, name, precision, accuracy)[0])
     m = plan.manifest

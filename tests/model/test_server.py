@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as kpb
 from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 
-from runtime.server.client import stream_generate
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.tools.client import stream_generate
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.model
 
@@ -279,7 +279,7 @@ def test_cli_generate_url_chat_refusal_and_loadgen(kiln_server, tmp_path):
     import subprocess
     import sys
 
-    from runtime.server.loadgen import run_loadgen
+    from kiln.runtime.tools.loadgen import run_loadgen
     from tests.server_helpers import ROOT
 
     r = subprocess.run([sys.executable, "-m", "kiln.cli", "generate", "--url", kiln_server.url,

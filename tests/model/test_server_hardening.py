@@ -26,9 +26,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tritonclient.grpc import service_pb2 as kpb
 from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
-from runtime.server.tensors import encode_bytes
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.server.tensors import encode_bytes
 from tests.server_helpers import ROOT, HttpServerProcess, ServerProcess, copy_with_chat_template
 
 pytestmark = pytest.mark.model
@@ -438,7 +438,7 @@ def test_model_statistics_fill_queue_and_compute(server):
 # when a request with max_tokens == 13 arrives
 FAULTY_SERVE = """
 import sys
-from runtime.engine import AddRequest, Engine
+from kiln.runtime.engine import AddRequest, Engine
 real = Engine.run_pending
 def run_pending(self):
     if any(isinstance(m, AddRequest) and m.request.seq.max_tokens == 13 for m in self._inbox):

@@ -12,8 +12,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 from tests.server_helpers import ROOT, ServerProcess
 
 pytestmark = pytest.mark.model

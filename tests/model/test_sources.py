@@ -10,10 +10,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from builder.arch.llama_loader import permute_rope
-from builder.sources import load_model, open_checkpoint
-from builder.sources.tokenizer_build import byte_level
-from builder.spec import ModelSection, RandomArch
+from kiln.builder.arch.llama_loader import permute_rope
+from kiln.builder.sources import load_model, open_checkpoint
+from kiln.builder.sources.tokenizer_build import byte_level
+from kiln.builder.spec import ModelSection, RandomArch
 from tests.helpers import greedy_generate
 
 pytestmark = pytest.mark.model
@@ -260,7 +260,7 @@ def test_gguf_sentencepiece_tokenizer_matches_transformers(tmp_path):
     w.close()
     reader = gguf.GGUFReader(str(tmp_path / "sp.gguf"))
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    from builder.sources.tokenizer_build import from_gguf_vocab
+    from kiln.builder.sources.tokenizer_build import from_gguf_vocab
     ours = Tokenizer.from_str(from_gguf_vocab(meta, "sp.gguf"))
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
     for text in ["hello world", " hello  world", "café hello", "héllo\nworld 日本",

@@ -1,7 +1,7 @@
 """Block pool accounting: no model, no tensors."""
 import pytest
 
-from plugins.paged_kv.block_pool import BlockPool
+from kiln.plugins.paged_kv.block_pool import BlockPool
 
 pytestmark = pytest.mark.unit
 

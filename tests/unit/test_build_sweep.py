@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from builder.build import _sweep_stale
+from kiln.builder.build import _sweep_stale
 
 pytestmark = pytest.mark.unit
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from builder.ci.assess import diff_inputs
-from builder.spec import SpecError, parse_spec
-from kiln_contracts.manifest import StoredPlan
-from runtime.verify import golden_key, golden_prompts, token_agreement
+from kiln.builder.ci.assess import diff_inputs
+from kiln.builder.spec import SpecError, parse_spec
+from kiln.contracts.manifest import StoredPlan
+from kiln.runtime.tools.verify import golden_key, golden_prompts, token_agreement
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from builder.ci.report import RunReport, SpecResult, human_bytes, render_markdown
+from kiln.builder.ci.report import RunReport, SpecResult, human_bytes, render_markdown
 
 pytestmark = pytest.mark.unit
 

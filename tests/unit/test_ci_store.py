@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from builder.ci.store import PlanStore, StoreError
+from kiln.builder.ci.store import PlanStore, StoreError
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.compute import name_os_thread
+from kiln.runtime.compute import name_os_thread
 
 pytestmark = pytest.mark.unit
 
@@ -31,7 +31,7 @@ def test_a_named_thread_shows_its_name_in_proc_and_names_are_cut_to_15_bytes():
 # prints the layout, the main thread's cores, an engine thread's and a serving thread's.
 LAYOUT = """
 import os, sys, threading
-from runtime.compute import claim_process, core_layout, enter_engine_thread
+from kiln.runtime.compute import claim_process, core_layout, enter_engine_thread
 n = claim_process(int(sys.argv[1]) or None)
 seen = {}
 def engine():

@@ -4,9 +4,9 @@ eager model: padded rows change nothing but the scratch block, real rows keep th
 import pytest
 import torch
 
-from plugins.paged_kv import kv_format
-from runtime.cuda_graphs import batch_ladder, is_decode_only, pad_decode_batch
-from runtime.executor import ModelInput
+from kiln.plugins.paged_kv import kv_format
+from kiln.runtime.cuda_graphs import batch_ladder, is_decode_only, pad_decode_batch
+from kiln.runtime.executor import ModelInput
 from tests.runtime_helpers import tiny_model
 
 pytestmark = pytest.mark.unit

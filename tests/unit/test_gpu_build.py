@@ -3,8 +3,8 @@ capability, and what a machine without the spec's GPU says (this tier runs witho
 import pytest
 import torch
 
-from builder import gpu
-from builder.spec import parse_spec
+from kiln.builder import gpu
+from kiln.builder.spec import parse_spec
 from tests.helpers import TINY_SPEC as BASE, spec_problems as problems
 
 pytestmark = pytest.mark.unit
@@ -58,8 +58,8 @@ def test_gpu_target_on_a_cpu_machine_is_refused_by_the_gpu_check():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_kiln_build_of_a_gpu_spec_on_a_cpu_machine_fails_before_any_work(tmp_path):
     """The builder refuses before it opens the checkpoint or writes anything."""
-    from builder.build import BuildError, build
-    from builder.progress import Progress
+    from kiln.builder.build import BuildError, build
+    from kiln.builder.progress import Progress
 
     spec = tmp_path / "gpu.yaml"
     spec.write_text(BASE + "target: {device: h100}\nprecision: {weights: bf16}\n")
@@ -86,7 +86,7 @@ def test_activation_dtype_is_the_spec_s(activations, dtype):
 
 
 def test_cast_to_activations_keeps_packed_weights_and_float32_scales():
-    from plugins.quant.modules import QuantLinear
+    from kiln.plugins.quant.modules import QuantLinear
     from tests.runtime_helpers import tiny_model
 
     model = tiny_model()
@@ -103,8 +103,8 @@ def test_cast_to_activations_keeps_packed_weights_and_float32_scales():
 def test_a_model_cast_for_bf16_activations_runs_and_stays_close():
     """What prepare_model hands torch.export on a GPU, run eagerly here: float32 logits
     within bf16's error of the float32 model's."""
-    from plugins.paged_kv import kv_format
-    from runtime.executor import ModelInput
+    from kiln.plugins.paged_kv import kv_format
+    from kiln.runtime.executor import ModelInput
     from tests.runtime_helpers import tiny_model
 
     inp = ModelInput.build([[1, 5, 9, 11, 3], [7]], [0, 0], [[0], [1]], 16)

@@ -8,11 +8,11 @@ import grpc
 import pytest
 import torch
 
-from runtime.guided import GrammarCache, GuidedDecoding, Masker, apply_bitmask
-from runtime.sampling import Sampler, SamplingParams, SamplingState
-from runtime.server.openai_protocol import ChoiceState, OpenAIError, final_json, parse_chat, \
+from kiln.runtime.guided import GrammarCache, GuidedDecoding, Masker, apply_bitmask
+from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState
+from kiln.runtime.server.openai_protocol import ChoiceState, OpenAIError, final_json, parse_chat, \
     parse_completion
-from runtime.server.openai_tools import parse_tools, render_messages
+from kiln.runtime.server.openai_tools import parse_tools, render_messages
 from tests.runtime_helpers import byte_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -221,10 +221,10 @@ def test_tools_reach_the_prompt_natively_or_through_the_fallback():
 
 
 def test_kiln_v1_and_kserve_fields_become_constraints():
-    from runtime.server import kserve
-    from runtime.server.errors import ServiceError
-    from runtime.server.native import sampling_params
-    from runtime.server.proto import kiln_pb2 as pb
+    from kiln.runtime.server import kserve
+    from kiln.runtime.server.errors import ServiceError
+    from kiln.runtime.server.native import sampling_params
+    from kiln.runtime.server.proto import kiln_pb2 as pb
     from tests.unit.test_kserve_parse import BASE, req
 
     sp = sampling_params(pb.SamplingParams(guided=pb.GuidedDecoding(

@@ -1,6 +1,7 @@
 """Kiln's import graph (read with ast, nothing imported): no cycles between modules, and the
-layering of DESIGN.md -- kiln_contracts imports only the standard library, runtime never
-imports builder or the CLI package kiln, plugins import neither builder nor runtime."""
+layering of DESIGN.md -- kiln.contracts imports only the standard library, the runtime never
+imports the builder or the CLI (kiln, kiln.cli, kiln.ci), the plugins import neither builder
+nor runtime; and every import names the one installed package, kiln."""
 from __future__ import annotations
 
 import ast
@@ -12,18 +13,27 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kiln_contracts", "kiln", "builder", "runtime", "plugins")
+# installed package -> its folder in the checkout (pyproject.toml's package-dir)
+PACKAGES = {"kiln": "kiln", "kiln.contracts": "contracts", "kiln.builder": "builder",
+            "kiln.runtime": "runtime", "kiln.plugins": "plugins"}
+# the top-level names these packages had before they were installed under kiln
+OLD_TOP_LEVEL = {"builder", "runtime", "plugins", "kiln_contracts"}
 
 
 def modules() -> dict[str, Path]:
     found = {}
-    for pkg in PACKAGES:
-        for f in (ROOT / pkg).rglob("*.py"):
-            parts = list(f.relative_to(ROOT).with_suffix("").parts)
+    for pkg, folder in PACKAGES.items():
+        for f in (ROOT / folder).rglob("*.py"):
+            parts = list(f.relative_to(ROOT / folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            found[".".join(parts)] = f
+            found[".".join([pkg, *parts])] = f
     return found
+
+
+def layer(module: str) -> str:
+    """The package a module belongs to: the longest PACKAGES prefix (kiln = the CLI)."""
+    return max((p for p in PACKAGES if module == p or module.startswith(p + ".")), key=len)
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -86,7 +96,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "runtime.server.app" in graph and "kiln_contracts.manifest" in graph
+    assert "kiln.runtime.server.app" in graph and "kiln.contracts.manifest" in graph
     assert cycles(graph) == []
 
 
@@ -94,22 +104,36 @@ def test_layering():
     graph = import_graph()
     mods = set(graph)
 
-    def is_(m: str, pkg: str) -> bool:
-        return m == pkg or m.startswith(pkg + ".")
-
+    # what each package may not import
+    forbidden = {"kiln.contracts": {"kiln", "kiln.builder", "kiln.runtime", "kiln.plugins"},
+                 "kiln.runtime": {"kiln", "kiln.builder"},
+                 "kiln.plugins": {"kiln", "kiln.builder", "kiln.runtime"}}
     bad = [(a, b) for a in graph for b in graph[a]
-           if (is_(a, "kiln_contracts") and not is_(b, "kiln_contracts"))
-           or (is_(a, "runtime") and (is_(b, "builder") or is_(b, "kiln")))
-           or (is_(a, "plugins") and (is_(b, "builder") or is_(b, "runtime") or is_(b, "kiln")))]
+           if layer(b) in forbidden.get(layer(a), ())]
     assert bad == []
-    # kiln_contracts imports nothing but the standard library (no torch, no pydantic)
+    # kiln.contracts imports nothing but the standard library (no torch, no pydantic)
     third_party = set()
-    for f in (ROOT / "kiln_contracts").rglob("*.py"):
+    for f in (ROOT / "contracts").rglob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
                      else [])
             third_party |= {n.split(".")[0] for n in names
                             if n.split(".")[0] not in sys.stdlib_module_names
-                            and n.split(".")[0] != "kiln_contracts"}
+                            and not n.startswith("kiln.contracts")}
     assert third_party == set() and mods
+
+
+def test_every_import_names_the_kiln_package():
+    """No code of the checkout (the packages, tests, benchmarks, scripts) imports a package by
+    its folder name: `runtime` or `plugins` as a top-level name collides with other software."""
+    stale = []
+    folders = [*PACKAGES.values(), "tests", "bench", "scripts"]
+    for f in (f for folder in folders for f in (ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0
+                     and node.module else [])
+            stale += [f"{f.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                      if n.split(".")[0] in OLD_TOP_LEVEL]
+    assert stale == []

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from plugins import isa
-from kiln_contracts.manifest import TargetSection
-from runtime.plan import PlanError, check_target as check_plan_target
+from kiln.plugins import isa
+from kiln.contracts.manifest import TargetSection
+from kiln.runtime.plan import PlanError, check_target as check_plan_target
 
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("c++"),
@@ -40,7 +40,7 @@ def cpuinfo(name: str) -> set[str]:
 
 
 def check_target(m: dict, path: str, machine: dict) -> None:
-    """runtime.plan.check_target on the target (and spec) of a partial manifest."""
+    """kiln.runtime.plan.check_target on the target (and spec) of a partial manifest."""
     check_plan_target(TargetSection.from_json(m["target"], "target"), path, machine,
                       spec_path=m["spec_path"], pinned_isa=m["spec"]["target"]["isa"])
 
@@ -162,7 +162,7 @@ def test_spelling_differences_between_compiler_and_cpuinfo():
 
 
 def test_build_refuses_a_level_the_build_machine_lacks():
-    from builder.target import TargetError, resolve_level
+    from kiln.builder.target import TargetError, resolve_level
 
     with pytest.raises(TargetError) as e:
         resolve_level("avx512_vnni", "spec.yaml", have=cpuinfo("haswell"))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as kpb
 
-from runtime.server.errors import ServiceError
-from runtime.server.kserve import parse, response
-from runtime.server.tensors import DATATYPES, decode_inputs, encode, encode_bytes
+from kiln.runtime.server.errors import ServiceError
+from kiln.runtime.server.kserve import parse, response
+from kiln.runtime.server.tensors import DATATYPES, decode_inputs, encode, encode_bytes
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The plan manifest's type (kiln_contracts.manifest): an exact JSON round trip, a bad field
+"""The plan manifest's type (kiln.contracts.manifest): an exact JSON round trip, a bad field
 named, no torch needed. No model: the manifest is written by hand."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kiln_contracts import PLAN_FORMAT_VERSION, FieldError
-from kiln_contracts.manifest import ManifestError, PlanManifest
+from kiln.contracts import PLAN_FORMAT_VERSION, FieldError
+from kiln.contracts.manifest import ManifestError, PlanManifest
 
 pytestmark = pytest.mark.unit
 
@@ -72,7 +72,7 @@ def test_a_bad_field_is_named(edit, field):
 
 
 def test_the_contract_imports_no_torch():
-    code = ("import sys, kiln_contracts.manifest, builder.uptodate; "
+    code = ("import sys, kiln.contracts.manifest, kiln.builder.uptodate; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -3,7 +3,7 @@ the general packing."""
 import pytest
 import torch
 
-from runtime.executor import ModelInput
+from kiln.runtime.executor import ModelInput
 
 pytestmark = pytest.mark.unit
 FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",

@@ -3,9 +3,9 @@ the sampler's logprobs; no model."""
 import pytest
 import torch
 
-from runtime.engine import Usage
-from runtime.sampling import Sampler, SamplingParams
-from runtime.server.openai_protocol import (OpenAIError, chat_messages, parse_chat,
+from kiln.runtime.engine import Usage
+from kiln.runtime.sampling import Sampler, SamplingParams
+from kiln.runtime.server.openai_protocol import (OpenAIError, chat_messages, parse_chat,
                                             parse_completion, usage_json)
 from tests.runtime_helpers import byte_tokenizer
 

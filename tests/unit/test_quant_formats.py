@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from plugins.quant import formats
+from kiln.plugins.quant import formats
 
 pytestmark = pytest.mark.unit
 
@@ -141,7 +141,7 @@ def test_unknown_scheme_raises():
 # ---------------------------------------------------------------- builder/quantize.py
 
 def _tiny_llama():
-    from builder.arch.llama import LlamaConfig, LlamaModel
+    from kiln.builder.arch.llama import LlamaConfig, LlamaModel
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
     torch.manual_seed(0)
@@ -162,8 +162,8 @@ def _run(model, T=8, bs=4):
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "fp8", "bf16"])
 def test_quantize_model_swaps_linears_and_keeps_outputs_close(scheme):
-    from builder.quantize import quantize_model
-    from plugins.quant.modules import QuantLinear
+    from kiln.builder.quantize import quantize_model
+    from kiln.plugins.quant.modules import QuantLinear
     model = _tiny_llama()
     ref = _run(model)
     report = quantize_model(model, scheme, calibration=_run if scheme == "int4" else None)
@@ -179,8 +179,8 @@ def test_quantize_model_swaps_linears_and_keeps_outputs_close(scheme):
 
 
 def test_bf16_model_stores_every_weight_bf16_and_the_tied_head_shares_the_table():
-    from builder.quantize import quantize_model
-    from plugins.quant.modules import QuantEmbedding
+    from kiln.builder.quantize import quantize_model
+    from kiln.plugins.quant.modules import QuantEmbedding
     model = _tiny_llama()
     ref = _run(model)
     report = quantize_model(model, "bf16", keep_high_precision=())
@@ -199,7 +199,7 @@ def test_int4_linear_beyond_float16_keeps_the_nk2_layout_alone(via, monkeypatch)
     """int4 at group 32 on a CPU target stores the interleaved format per linear: one whose
     weight as quantized (after its AWQ scale) exceeds float16 keeps the [N, K/2] layout, is
     named in the report, and still multiplies right; the others stay interleaved."""
-    import builder.quantize as bq
+    import kiln.builder.quantize as bq
     model = _tiny_llama()
     odd = "layers.0.attention.wqkv"
     lin = model.get_submodule(odd)
@@ -226,7 +226,7 @@ def test_int4_linear_beyond_float16_keeps_the_nk2_layout_alone(via, monkeypatch)
     q = model.get_submodule(odd)
     assert q.scheme == "int4" and q.group_size == 32
     assert model.layers[0].attention.wo.scheme == "int4_a8"
-    from runtime.inspect import _scheme      # `kiln inspect` says so
+    from kiln.runtime.tools.inspect import _scheme      # `kiln inspect` says so
     assert "1 linear(s) in the int4 [N, K/2] layout" in _scheme(report)
     if via == "weight":
         rel = ((q(x) - ref).norm() / ref.norm()).item()
@@ -234,15 +234,15 @@ def test_int4_linear_beyond_float16_keeps_the_nk2_layout_alone(via, monkeypatch)
 
 
 def test_quantize_model_group_size_error_names_layer_and_group_size():
-    from builder.quantize import quantize_model
+    from kiln.builder.quantize import quantize_model
     model = _tiny_llama()
     with pytest.raises(ValueError, match=r"w2: int4 group_size 64 does not divide"):
         quantize_model(model, "int4", group_size=64)
 
 
 def test_quantize_model_lm_head_and_keep_list():
-    from builder.quantize import quantize_model
-    from plugins.quant.modules import QuantLinear
+    from kiln.builder.quantize import quantize_model
+    from kiln.plugins.quant.modules import QuantLinear
     model = _tiny_llama()
     report = quantize_model(model, "int8", keep_high_precision=("embed", "w2"))
     assert isinstance(model.output, QuantLinear)             # tied head got a quantized copy
@@ -254,7 +254,7 @@ def test_quantize_model_lm_head_and_keep_list():
 
 
 def test_awq_search_never_worse_than_rtn():
-    from builder.quantize import awq_search
+    from kiln.builder.quantize import awq_search
     g = torch.Generator().manual_seed(3)
     x = torch.randn(256, 128, generator=g) * (torch.rand(128, generator=g) * 10) ** 2
     w = torch.randn(64, 128, generator=g)

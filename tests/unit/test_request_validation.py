@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as kpb
 
-from runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams, SamplingState
-from runtime.server.errors import ServiceError
-from runtime.server.kserve import parse
-from runtime.server.limits import RequestLimits
-from runtime.server.openai_protocol import OpenAIError, parse_completion
-from runtime.server.tensors import encode_bytes
+from kiln.runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams, SamplingState
+from kiln.runtime.server.errors import ServiceError
+from kiln.runtime.server.kserve import parse
+from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.openai_protocol import OpenAIError, parse_completion
+from kiln.runtime.server.tensors import encode_bytes
 from tests.runtime_helpers import byte_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from runtime.sampling import Sampler, SamplingParams, SamplingState
+from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState
 
 pytestmark = pytest.mark.unit
 V = 32

@@ -3,7 +3,7 @@
 No model and no tensors: step outputs are made by hand."""
 import pytest
 
-from plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig, TokenSequence,
+from kiln.plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig, TokenSequence,
                                        SequenceStatus, StepOutput)
 
 pytestmark = pytest.mark.unit

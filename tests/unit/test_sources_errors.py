@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from builder.arch.llama import LlamaConfig, param_shapes
-from builder.sources import Checkpoint, CheckpointError, load_model, open_checkpoint, \
+from kiln.builder.arch.llama import LlamaConfig, param_shapes
+from kiln.builder.sources import Checkpoint, CheckpointError, load_model, open_checkpoint, \
     resolve_source
-from builder.sources.tokenizer_build import byte_level
-from builder.spec import ModelSection
+from kiln.builder.sources.tokenizer_build import byte_level
+from kiln.builder.spec import ModelSection
 
 pytestmark = pytest.mark.unit
 

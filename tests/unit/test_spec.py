@@ -1,7 +1,7 @@
 """Spec validation: every error names the YAML path, the bad value and what is allowed."""
 import pytest
 
-from builder.spec import SpecError, load_spec, parse_memory, parse_spec
+from kiln.builder.spec import SpecError, load_spec, parse_memory, parse_spec
 from tests.helpers import TINY_SPEC as BASE, spec_problems as problems
 
 pytestmark = pytest.mark.unit
@@ -145,8 +145,8 @@ MISTRAL = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32,
 def test_mistral_sliding_window_caps_max_seq_len(max_seq_len, refused):
     """The paged attention op has no window: a context past Mistral's sliding_window would
     attend differently from the model, so the build refuses it and names the fix."""
-    from builder.arch.llama import LlamaConfig
-    from builder.build import check_spec_against_model
+    from kiln.builder.arch.llama import LlamaConfig
+    from kiln.builder.build import check_spec_against_model
 
     cfg = LlamaConfig.from_hf(MISTRAL)
     assert cfg.sliding_window == 512
@@ -161,7 +161,7 @@ def test_mistral_sliding_window_caps_max_seq_len(max_seq_len, refused):
 
 
 def test_qwen2_window_counts_only_when_used():
-    from builder.arch.llama import LlamaConfig
+    from kiln.builder.arch.llama import LlamaConfig
 
     qwen = {**MISTRAL, "model_type": "qwen2", "sliding_window": 4096}
     assert LlamaConfig.from_hf(qwen).sliding_window is None

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from runtime.server.proto import kiln_pb2 as runtime_dot_server_dot_proto_dot_kiln__pb2
+from kiln.runtime.server.proto import kiln_pb2 as kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in runtime/server/proto/kiln_pb2_grpc.py depends on'
+        + ' but the generated code in kiln/runtime/server/proto/kiln_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class KilnStub:
         """
         self.Generate = channel.unary_stream(
                 '/kiln.v1.Kiln/Generate',
-                request_serializer=runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateResponse.FromString,
+                request_serializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/kiln.v1.Kiln/Tokenize',
-                request_serializer=runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeResponse.FromString,
+                request_serializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/kiln.v1.Kiln/GetModelInfo',
-                request_serializer=runtime_dot_server_dot_proto_dot_kiln__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=runtime_dot_server_dot_proto_dot_kiln__pb2.ModelInfo.FromString,
+                request_serializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.ModelInfo.FromString,
                 _registered_method=True)
 
 
@@ -81,18 +81,18 @@ def add_KilnServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateRequest.FromString,
-                    response_serializer=runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateRequest.FromString,
+                    response_serializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeRequest.FromString,
-                    response_serializer=runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeRequest.FromString,
+                    response_serializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
-                    request_deserializer=runtime_dot_server_dot_proto_dot_kiln__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=runtime_dot_server_dot_proto_dot_kiln__pb2.ModelInfo.SerializeToString,
+                    request_deserializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -120,8 +120,8 @@ class Kiln:
             request,
             target,
             '/kiln.v1.Kiln/Generate',
-            runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateRequest.SerializeToString,
-            runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateResponse.FromString,
+            kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateRequest.SerializeToString,
+            kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -147,8 +147,8 @@ class Kiln:
             request,
             target,
             '/kiln.v1.Kiln/Tokenize',
-            runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeRequest.SerializeToString,
-            runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeResponse.FromString,
+            kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeRequest.SerializeToString,
+            kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -174,8 +174,8 @@ class Kiln:
             request,
             target,
             '/kiln.v1.Kiln/GetModelInfo',
-            runtime_dot_server_dot_proto_dot_kiln__pb2.GetModelInfoRequest.SerializeToString,
-            runtime_dot_server_dot_proto_dot_kiln__pb2.ModelInfo.FromString,
+            kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.GetModelInfoRequest.SerializeToString,
+            kiln_dot_runtime_dot_server_dot_proto_dot_kiln__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,8 +5,8 @@ from typing import Iterator, Optional
 
 import grpc
 
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 
 
 def channel(url: str, tls: bool = False, root_cert: Optional[bytes] = None) -> grpc.Channel:

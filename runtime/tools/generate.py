@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, Optional
 
-from runtime.sampling import SamplingParams
+from kiln.runtime.sampling import SamplingParams
 
 
 def generate_stream(plan: Optional[Path], prompt: str, url: Optional[str] = None,
@@ -14,14 +14,14 @@ def generate_stream(plan: Optional[Path], prompt: str, url: Optional[str] = None
     """Yield text deltas. In-process (plan) through the same Engine the server runs, or over
     gRPC (url, kiln.v1 Generate)."""
     if url is not None:
-        from runtime.server.client import stream_generate
+        from kiln.runtime.tools.client import stream_generate
 
         yield from stream_generate(url, prompt, max_tokens=max_tokens, temperature=temperature,
                                    top_p=top_p, top_k=top_k, seed=seed, chat=chat)
         return
     if plan is None:
         raise ValueError("give a plan directory, or --url HOST:PORT of a running kiln serve")
-    from runtime.engine import Engine
+    from kiln.runtime.engine import Engine
 
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed)

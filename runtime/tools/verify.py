@@ -16,8 +16,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kiln_contracts.manifest import PlanManifest
-from runtime.plan import Plan
+from kiln.contracts.manifest import PlanManifest
+from kiln.runtime.plan import Plan
 
 DEFAULT_PROMPT = "The quick brown fox"
 DEFAULT_MAX_TOKENS = 8
@@ -48,8 +48,8 @@ def golden_prompts(golden: list[dict]) -> list[dict]:
 
 def run_golden(plan: Plan, prompts: list[dict]) -> list[dict]:
     """Greedy completions for `prompts` (each gets text, token_ids, finish_reason, error)."""
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.sampling import SamplingParams
 
     outs = []
     with Engine.from_plan(plan) as engine:
@@ -152,11 +152,11 @@ def _accuracy(plan: Plan) -> dict:
         return {"ok": True, "applicable": False,
                 "summary": "not applicable (the plan has no accuracy gate)"}
     measured = plan.manifest.accuracy.to_json()
-    if importlib.util.find_spec("runtime.accuracy") is None:
+    if importlib.util.find_spec("kiln.runtime.accuracy") is None:
         return {"ok": True, "applicable": False, "measured": measured,
                 "summary": "not re-run (runtime.accuracy is not available); measured at "
                            f"build: {measured}"}
-    from runtime import accuracy as acc
+    from kiln.runtime import accuracy as acc
 
     try:
         result = acc.rerun_gate(plan)

@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from runtime.engine import Engine, RequestResult
-from runtime.plan import Plan, load_plan
-from runtime.sampling import SamplingParams
+from kiln.runtime.engine import Engine, RequestResult
+from kiln.runtime.plan import Plan, load_plan
+from kiln.runtime.sampling import SamplingParams
 
 
 def _pct(xs: Sequence[float], q: float) -> Optional[float]:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln_contracts.manifest import PlanManifest
-from plugins.paged_kv import kv_format
+from kiln.contracts.manifest import PlanManifest
+from kiln.plugins.paged_kv import kv_format
 
 
 def human_bytes(n: float | None) -> str:

@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
-from kiln_contracts import PLAN_FORMAT_VERSION, FieldError
+from kiln.contracts import PLAN_FORMAT_VERSION, FieldError
 
 
 class ManifestError(FieldError):

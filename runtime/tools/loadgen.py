@@ -26,9 +26,9 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as kpb
 from tritonclient.grpc import service_pb2_grpc as kpb_grpc
 
-from runtime.server.proto import kiln_pb2 as pb
-from runtime.server.proto import kiln_pb2_grpc as pb_grpc
-from runtime.server.tensors import encode
+from kiln.runtime.server.proto import kiln_pb2 as pb
+from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
+from kiln.runtime.server.tensors import encode
 
 WORDS = ("the of and to in is was for on that with as by at from his an were are which this "
          "be or had not but first one their its new after who they have her she two been "

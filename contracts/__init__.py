@@ -1,5 +1,5 @@
 """Torch-free contracts and constants shared by `kiln` (the CLI), `builder`, `runtime` and
-`plugins`: the plan manifest's type (kiln_contracts.manifest) and the facts each side must agree
+`plugins`: the plan manifest's type (kiln.contracts.manifest) and the facts each side must agree
 on. Importing this package imports nothing but the standard library, so the builder's quick
 up-to-date check and `kiln` commands that do not build stay fast.
 """

@@ -354,7 +354,7 @@ class PlanManifest(_Section):
 @dataclass(frozen=True)
 class StoredPlan:
     """The part of plan.json every format version has, read leniently: a plan store (kiln ci's,
-    builder/ci/store.py) keeps plans of older and newer kilns, so it reads only these; a plan
+    builder/plan_ci/store.py) keeps plans of older and newer kilns, so it reads only these; a plan
     of this kiln's version is read whole, as a PlanManifest, by runtime/plan.read_manifest."""
     name: Optional[str] = None
     fingerprint: Optional[str] = None

@@ -243,7 +243,7 @@ def bench(
                 plot_path=str(plot) if plot else None)
 
 
-from kiln.ci import app as ci_app  # noqa: E402  (builder.ci is imported inside its commands)
+from kiln.ci_cli import app as ci_app  # noqa: E402  (builder.plan_ci is imported inside its commands)
 
 app.add_typer(ci_app, name="ci")
 

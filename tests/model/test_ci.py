@@ -25,10 +25,10 @@ import kiln
 import torch
 from typer.testing import CliRunner
 
-from kiln.builder.ci.assess import find_specs
-from kiln.builder.ci.pipeline import CIOptions, rebuild
-from kiln.builder.ci.report import render_markdown
-from kiln.builder.ci.store import PlanStore
+from kiln.builder.plan_ci.assess import find_specs
+from kiln.builder.plan_ci.pipeline import CIOptions, rebuild
+from kiln.builder.plan_ci.report import render_markdown
+from kiln.builder.plan_ci.store import PlanStore
 from kiln.cli import app
 
 pytestmark = pytest.mark.model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.builder.ci.assess import diff_inputs
+from kiln.builder.plan_ci.assess import diff_inputs
 from kiln.builder.spec import SpecError, parse_spec
 from kiln.contracts.manifest import StoredPlan
 from kiln.runtime.tools.verify import golden_key, golden_prompts, token_agreement

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kiln.builder.ci.report import RunReport, SpecResult, human_bytes, render_markdown
+from kiln.builder.plan_ci.report import RunReport, SpecResult, human_bytes, render_markdown
 
 pytestmark = pytest.mark.unit
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kiln.builder.ci.store import PlanStore, StoreError
+from kiln.builder.plan_ci.store import PlanStore, StoreError
 
 pytestmark = pytest.mark.unit
 

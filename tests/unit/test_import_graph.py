@@ -1,6 +1,6 @@
 """Kiln's import graph (read with ast, nothing imported): no cycles between modules, and the
 layering of DESIGN.md -- kiln.contracts imports only the standard library, the runtime never
-imports the builder or the CLI (kiln, kiln.cli, kiln.ci), the plugins import neither builder
+imports the builder or the CLI (kiln, kiln.cli, kiln.ci_cli), the plugins import neither builder
 nor runtime; and every import names the one installed package, kiln."""
 from __future__ import annotations
 

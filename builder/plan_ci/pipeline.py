@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from kiln.builder.ci.assess import BUILD, FAIL, Assessment, assess
-from kiln.builder.ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
-from kiln.builder.ci.store import PlanStore
+from kiln.builder.plan_ci.assess import BUILD, FAIL, Assessment, assess
+from kiln.builder.plan_ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
+from kiln.builder.plan_ci.store import PlanStore
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from kiln.builder.ci.store import PlanStore
+from kiln.builder.plan_ci.store import PlanStore
 from kiln.builder.spec import Spec, SpecError, load_spec
 from kiln.builder.uptodate import quick_up_to_date
 from kiln.contracts.manifest import StoredPlan

@@ -1,4 +1,4 @@
-"""`kiln ci ...`: the typer sub-app. A thin layer over builder.ci (imported inside commands)."""
+"""`kiln ci ...`: the typer sub-app. A thin layer over builder.plan_ci (imported inside commands)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +24,7 @@ def _fail(message: str, code: int = 1):
 
 
 def _specs(folder: Path) -> list[Path]:
-    from kiln.builder.ci.assess import find_specs
+    from kiln.builder.plan_ci.assess import find_specs
 
     if not folder.exists():
         _fail(f"{folder}: no such spec folder (give one with --specs)", 2)
@@ -41,7 +41,7 @@ def plan_cmd(specs: Path = SPECS, store: Path = STORE, target: Optional[str] = T
              full: bool = typer.Option(False, "--full", help="compute every fingerprint "
                                        "(ignore quick keys)")):
     """Dry run: print what `kiln ci rebuild` would rebuild and why. Builds nothing."""
-    from kiln.builder.ci.pipeline import CIOptions, dry_run
+    from kiln.builder.plan_ci.pipeline import CIOptions, dry_run
 
     data = dry_run(_specs(specs), CIOptions(store=store, full=full, target=target))
     if as_json:
@@ -72,8 +72,8 @@ def rebuild_cmd(specs: Path = SPECS, store: Path = STORE, target: Optional[str] 
                                           "(ignore quick keys)")):
     """Build, verify and publish every spec's plan that is missing from the store.
     Exits 1 when any spec failed (the others are still built and reported)."""
-    from kiln.builder.ci.pipeline import CIOptions, rebuild
-    from kiln.builder.ci.report import render_markdown
+    from kiln.builder.plan_ci.pipeline import CIOptions, rebuild
+    from kiln.builder.plan_ci.report import render_markdown
 
     result = rebuild(_specs(specs), CIOptions(store=store, jobs=jobs, keep=keep, full=full,
                                               target=target))
@@ -95,7 +95,7 @@ def rollback_cmd(name: str = typer.Argument(..., help="the spec name"),
                                                   "unique prefix); default: the previous plan"),
                  store: Path = STORE):
     """Point a spec back at an earlier plan in the store (a pointer move)."""
-    from kiln.builder.ci.store import PlanStore, StoreError
+    from kiln.builder.plan_ci.store import PlanStore, StoreError
 
     s = PlanStore(store)
     old = s.current(name)
@@ -112,7 +112,7 @@ def current_cmd(name: Optional[str] = typer.Argument(None, help="a spec name (de
                 store: Path = STORE):
     """Print the current plan directory of a spec (or of every spec): `kiln serve $(kiln ci
     current NAME)`."""
-    from kiln.builder.ci.store import PlanStore
+    from kiln.builder.plan_ci.store import PlanStore
 
     s = PlanStore(store)
     names = [name] if name else s.names()

@@ -1,4 +1,4 @@
-"""Issue 12, item 2: what Inductor's own int8 GEMM gives against the quant plugin's kernels,
+"""What Inductor's own int8 GEMM gives against the quant plugin's kernels,
 on SmolLM2's shapes, side by side in one process (weights in cache; kernel speed).
 
     pip install --no-deps torchao==0.18.0     # optional: not a Kiln dependency

@@ -1,5 +1,5 @@
 """Where a single stream's time goes inside `kiln serve`: the engine thread's compiled step,
-the Python around it, and when the token's serving path runs (README, issue 12 item 1).
+the Python around it, and when the token's serving path runs (docs/PERFORMANCE.md, serving).
 
     python bench/serve_timeline.py [--plan plans/smollm2-135m-throughput-cpu] [--threads 2]
         [--requests 8] [--tokens 128] [--json F]

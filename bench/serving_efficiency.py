@@ -1,4 +1,4 @@
-"""Issue 12, item 1: at one stream, how much of the compiled step's rate `kiln serve`
+"""At one stream, how much of the compiled step's rate `kiln serve`
 delivers over gRPC, with NVIDIA's perf_analyzer (C++, through genai-perf) and with
 `kiln bench --url`'s Python load generator as the client, side by side in one run.
 

@@ -130,8 +130,8 @@ class ModelInput:
                 bs: int) -> "ModelInput":
         """build() when every sequence brings one token (decode steps): the same tensors from
         fewer numpy calls. Each step's Python runs right after the weights streamed through
-        the caches, so every call is a cold one: ~85 us here against ~150 for the general
-        packing (one sequence; 10 vs 19 us warm)."""
+        the caches, so every call is a cold one, and fewer calls are measurably cheaper than
+        the general packing (figures: docs/JOURNAL.md, "Figures moved out of code comments")."""
         B = len(token_ids)
         pos = np.array(starts, dtype=np.int64).reshape(B)
         ar = np.arange(B + 1, dtype=np.int64)

@@ -256,7 +256,8 @@ class Sampler:
         """One token per row from its unnormalized probabilities (consumed): the first token
         whose cumulative probability exceeds u times the row's total, u uniform in [0, 1)
         from the request's own generator when it is seeded. One random number a row: the
-        exponential race this replaces drew one per vocabulary entry (0.76 ms a row here)."""
+        exponential race this replaces drew one per vocabulary entry (its cost: docs/JOURNAL.md,
+        "Figures moved out of code comments")."""
         B, V = probs.shape
         u = torch.rand(B, 1)
         for i, s in enumerate(states):

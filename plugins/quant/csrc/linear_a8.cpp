@@ -9,7 +9,7 @@
 // level, else ATen's _int_mm (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the
 // machine it runs on): measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
 // M=1 this kernel 17 us vs 83 us; M=4 48 vs 41; M=32 244 vs 86
-// (bench_results/w8a8_vs_libraries.log). All give the same integers.
+// (bench/results/w8a8_vs_libraries.log). All give the same integers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -85,8 +85,8 @@ constexpr int64_t kGroup = 32;    // weights (and activations) per scale
 constexpr int64_t kChunk = 256;   // packed bytes per (block, group)
 // Digits of x in linear_int4_rows16 (weight-only). Two hold each group of x within 3.1e-5 of
 // its max|x| (bfloat16 activations: 2e-3 of each value); a third (2.4e-7) cost a third more
-// integer work: 30 streamed SmolLM2 w13 matrices at one row of x, 2 threads, this Intel
-// host, 2 digits against 3: AVX2 0.93 vs 1.17 ms (in cache 0.79 vs 1.04), VNNI 0.81 vs 0.86
+// integer work: 30 streamed SmolLM2 w13 matrices at one row of x, 2 threads, an Intel Xeon
+// (AMX), 2 digits against 3: AVX2 0.93 vs 1.17 ms (in cache 0.79 vs 1.04), VNNI 0.81 vs 0.86
 // (0.44 vs 0.53); W4A8 (one digit) 0.72 and 0.79.
 constexpr int kRows16Digits = 2;
 // rows of x per tile, by digits per activation (accumulators: MR * ND * 2 registers; AVX2's

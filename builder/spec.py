@@ -82,7 +82,7 @@ class RandomArch(_Strict):
     eos_token_id: int = 2
 
 
-class ModelSection(_Strict):
+class ModelSpec(_Strict):
     source: str = Field(
         description="a HF checkpoint directory, a .gguf file, `pkg://PACKAGE/FILE` (a file "
         "inside an installed Python package), or `random`")
@@ -104,7 +104,7 @@ class ModelSection(_Strict):
         return self
 
 
-class TargetSection(_Strict):
+class TargetSpec(_Strict):
     device: str = Field(default="cpu", description="cpu, a GPU name (h100, h200, a100, "
                         "l40s, ...) or a compute capability sm_XY")
     backend: Literal["aoti", "eager"] = Field(default="aoti", description="aoti "
@@ -148,7 +148,7 @@ class TargetSection(_Strict):
         return GPU_TARGETS.get(self.device, self.device)
 
 
-class PrecisionSection(_Strict):
+class PrecisionSpec(_Strict):
     weights: Literal["fp32", "bf16", "fp16", "fp8", "int8", "int4"] = "fp32"
     group_size: Optional[Literal[32, 64, 128]] = Field(
         default=None, description="int4 group size (32, 64, 128); default: the largest that "
@@ -168,7 +168,7 @@ class PrecisionSection(_Strict):
         "plan stores every weight bf16")
 
 
-class LimitsSection(_Strict):
+class LimitsSpec(_Strict):
     max_batch_size: int = Field(default=32, ge=1, le=4096)
     max_seq_len: int = Field(default=2048, ge=16, le=1_048_576)
     max_input_len: Optional[int] = Field(default=None, ge=1, description="default: max_seq_len - 1")
@@ -192,7 +192,7 @@ class LimitsSection(_Strict):
                 else default_input_len(self.max_seq_len))
 
 
-class KVCacheSection(_Strict):
+class KVCacheSpec(_Strict):
     tokens_per_block: Literal[8, 16, 32, 64] = 16
     memory: Union[int, float, str] = Field(
         default="256MiB", description="KV pool budget: bytes (int or '512MiB'/'2GiB') or a "
@@ -205,14 +205,14 @@ class KVCacheSection(_Strict):
         return v
 
 
-class SchedulerSection(_Strict):
+class SchedulerSpec(_Strict):
     policy: Literal["guaranteed_no_evict", "max_utilization"] = "max_utilization"
     chunked_prefill: bool = True
     prefix_caching: bool = True
     max_queue: int = Field(default=1024, ge=1, description="bound of the waiting queue")
 
 
-class AccuracySection(_Strict):
+class AccuracySpec(_Strict):
     max_ppl_increase: Optional[float] = Field(
         default=None, ge=0, description="largest relative perplexity increase over the "
         "unquantized model (0.05 = 5%); default per precision")
@@ -231,13 +231,13 @@ class GoldenPrompt(_Strict):
 class Spec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                       description="plan name: letters, digits, . _ -")
-    model: ModelSection
-    target: TargetSection = TargetSection()
-    precision: PrecisionSection = PrecisionSection()
-    limits: LimitsSection = LimitsSection()
-    kv_cache: KVCacheSection = KVCacheSection()
-    scheduler: SchedulerSection = SchedulerSection()
-    accuracy: AccuracySection = AccuracySection()
+    model: ModelSpec
+    target: TargetSpec = TargetSpec()
+    precision: PrecisionSpec = PrecisionSpec()
+    limits: LimitsSpec = LimitsSpec()
+    kv_cache: KVCacheSpec = KVCacheSpec()
+    scheduler: SchedulerSpec = SchedulerSpec()
+    accuracy: AccuracySpec = AccuracySpec()
     golden: tuple[GoldenPrompt, ...] = ()
     golden_agreement: Optional[float] = Field(
         default=None, ge=0, le=1, description="kiln ci: least fraction of greedy tokens "
@@ -257,7 +257,7 @@ class Spec(_Strict):
             raise _PathError("precision.group_size", "group_size applies to int4 weights only "
                              f"(weights is {self.precision.weights!r})")
         if (self.precision.weights in ("bf16", "fp32") and self.precision.keep_high_precision
-                != PrecisionSection.model_fields["keep_high_precision"].default):
+                != PrecisionSpec.model_fields["keep_high_precision"].default):
             raise _PathError("precision.keep_high_precision", "applies to int8, int4 and fp8 "
                              f"weights; a {self.precision.weights} plan stores every weight "
                              f"{self.precision.weights}")

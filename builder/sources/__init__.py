@@ -56,7 +56,7 @@ def resolve_source(source: str) -> str:
 
 
 def open_checkpoint(model) -> Checkpoint:
-    """Open the checkpoint a spec's `model` section (builder.spec.ModelSection) names.
+    """Open the checkpoint a spec's `model` section (builder.spec.ModelSpec) names.
 
     Reads config, tokenizer and tensor headers (not the weights); checks the name mapping
     and, when `model.revision` is set, the weights digest.

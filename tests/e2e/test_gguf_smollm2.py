@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer
 
 from kiln.builder.sources import load_model, open_checkpoint
-from kiln.builder.spec import ModelSection
+from kiln.builder.spec import ModelSpec
 from tests.conftest import SMOLLM2_GGUF_SOURCE
 from tests.helpers import greedy_generate
 
@@ -26,7 +26,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def ours(smollm2_gguf):
-    ckpt = open_checkpoint(ModelSection(source=SMOLLM2_GGUF_SOURCE))
+    ckpt = open_checkpoint(ModelSpec(source=SMOLLM2_GGUF_SOURCE))
     return ckpt, load_model(ckpt)
 
 

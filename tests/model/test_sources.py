@@ -13,7 +13,7 @@ from tokenizers import Tokenizer
 from kiln.builder.arch.llama_loader import permute_rope
 from kiln.builder.sources import load_model, open_checkpoint
 from kiln.builder.sources.tokenizer_build import byte_level
-from kiln.builder.spec import ModelSection, RandomArch
+from kiln.builder.spec import ModelSpec, RandomArch
 from tests.helpers import greedy_generate
 
 pytestmark = pytest.mark.model
@@ -85,7 +85,7 @@ def _compare_with_hf(ours, hf_model, shuffle: bool):
 
 def test_hf_dir_matches_transformers(hf_case, digest_cache):
     name, d, hf_model = hf_case
-    ckpt = open_checkpoint(ModelSection(source=str(d)))
+    ckpt = open_checkpoint(ModelSpec(source=str(d)))
     assert ckpt.source_desc == f"hf dir {d}"
     assert ckpt.config.tie_word_embeddings == (name == "tied")
     assert ckpt.config.attention_bias == (name == "qwen2_bias")
@@ -103,13 +103,13 @@ def test_weights_digest_is_stable_and_cached(tmp_path, digest_cache):
     d = tmp_path / "ckpt"
     _hf_model("llama", dict(tie_word_embeddings=True)).save_pretrained(d)
     _write_tokenizer(d)
-    a = open_checkpoint(ModelSection(source=str(d))).weights_digest
+    a = open_checkpoint(ModelSpec(source=str(d))).weights_digest
     assert digest_cache.exists()
-    assert open_checkpoint(ModelSection(source=str(d))).weights_digest == a
+    assert open_checkpoint(ModelSpec(source=str(d))).weights_digest == a
     cfg = d / "config.json"
     st = cfg.stat()
     os.utime(cfg, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: recomputed, same
-    assert open_checkpoint(ModelSection(source=str(d), revision=a)).weights_digest == a
+    assert open_checkpoint(ModelSpec(source=str(d), revision=a)).weights_digest == a
 
 
 # --- GGUF written from a HF model ----------------------------------------------------------
@@ -172,7 +172,7 @@ def test_gguf_matches_hf(tmp_path, digest_cache, family, tied):
     hf_model = _hf_model(family, dict(tie_word_embeddings=tied), seed=1)
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, family, hf_model)
-    ckpt = open_checkpoint(ModelSection(source=str(path)))
+    ckpt = open_checkpoint(ModelSpec(source=str(path)))
     assert ckpt.source_desc == f"gguf {path} (F32)"
     assert ckpt.config.tie_word_embeddings == tied
     assert ckpt.config.attention_bias == (family == "qwen2")
@@ -180,7 +180,7 @@ def test_gguf_matches_hf(tmp_path, digest_cache, family, tied):
     hf_dir = tmp_path / "hf"
     hf_model.save_pretrained(hf_dir)
     _write_tokenizer(hf_dir)
-    from_hf = dict(open_checkpoint(ModelSection(source=str(hf_dir))).tensors())
+    from_hf = dict(open_checkpoint(ModelSpec(source=str(hf_dir))).tensors())
     for name, t in ckpt.tensors():          # the GGUF, un-permuted, equals the HF source
         assert torch.equal(t, from_hf.pop(name)), name
     assert not from_hf
@@ -194,7 +194,7 @@ def test_gguf_f16_dequantized(tmp_path, digest_cache):
     hf_model = _hf_model("llama", dict(tie_word_embeddings=False), seed=2)
     path = tmp_path / "f16.gguf"
     _write_gguf(path, "llama", hf_model, dtype=np.float16)
-    ckpt = open_checkpoint(ModelSection(source=str(path)))
+    ckpt = open_checkpoint(ModelSpec(source=str(path)))
     got = dict(ckpt.tensors())
     ref = hf_model.state_dict()["model.layers.0.mlp.down_proj.weight"].half().float()
     assert torch.equal(got["layers.0.feed_forward.w2.weight"], ref)
@@ -207,9 +207,9 @@ ARCH = RandomArch(vocab_size=300, hidden_size=64, intermediate_size=128, num_hid
 
 
 def test_random_is_deterministic():
-    a = open_checkpoint(ModelSection(source="random", arch=ARCH, seed=0))
-    b = open_checkpoint(ModelSection(source="random", arch=ARCH, seed=0))
-    c = open_checkpoint(ModelSection(source="random", arch=ARCH, seed=1))
+    a = open_checkpoint(ModelSpec(source="random", arch=ARCH, seed=0))
+    b = open_checkpoint(ModelSpec(source="random", arch=ARCH, seed=0))
+    c = open_checkpoint(ModelSpec(source="random", arch=ARCH, seed=1))
     assert a.weights_digest == b.weights_digest != c.weights_digest
     assert a.source_desc == "random seed 0"
     assert a.config.tie_word_embeddings and a.config.num_kv_heads == 2
@@ -230,7 +230,7 @@ def test_random_is_deterministic():
 
 def test_random_small_vocab_tokenizer():
     arch = ARCH.model_copy(update={"vocab_size": 64})
-    ckpt = open_checkpoint(ModelSection(source="random", arch=arch))
+    ckpt = open_checkpoint(ModelSpec(source="random", arch=arch))
     tok = Tokenizer.from_str(ckpt.tokenizer_json)
     assert tok.get_vocab_size() == 64
     assert max(tok.encode("zzz ~~~ ü").ids) < 64

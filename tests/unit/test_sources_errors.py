@@ -12,7 +12,7 @@ from kiln.builder.arch.llama import LlamaConfig, param_shapes
 from kiln.builder.sources import Checkpoint, CheckpointError, load_model, open_checkpoint, \
     resolve_source
 from kiln.builder.sources.tokenizer_build import byte_level
-from kiln.builder.spec import ModelSection
+from kiln.builder.spec import ModelSpec
 
 pytestmark = pytest.mark.unit
 
@@ -43,7 +43,7 @@ def _write_hf(d, tensors=None, config=None):
 
 
 def _open(path) -> Checkpoint:
-    return open_checkpoint(ModelSection(source=str(path)))
+    return open_checkpoint(ModelSpec(source=str(path)))
 
 
 @pytest.fixture(autouse=True)
@@ -195,7 +195,7 @@ def test_gguf_missing_tensors(tmp_path):
 def test_revision_mismatch(tmp_path):
     d = _write_hf(tmp_path / "r")
     with pytest.raises(CheckpointError, match=r"differs from model\.revision 00ff"):
-        open_checkpoint(ModelSection(source=str(d), revision="00ff"))
+        open_checkpoint(ModelSpec(source=str(d), revision="00ff"))
 
 
 def test_load_model_rejects_bad_streams():

@@ -25,7 +25,9 @@ import sys
 import time
 import urllib.request
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import grpc
 import httpx
@@ -73,6 +75,15 @@ def kserve_request(model: str, rid: str, prompt: str, max_tokens: int, stream: b
     return req
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One request's random draw."""
+    prompt: str
+    max_tokens: int
+    temperature: float
+    cancel_after: Optional[int]     # outputs before the client gives up; None: never
+
+
 class Soak:
     def __init__(self, args, grpc_url: str, http_base: str, model: str):
         self.args, self.grpc_url, self.http_base, self.model = args, grpc_url, http_base, model
@@ -80,85 +91,26 @@ class Soak:
         self.errors: list[str] = []
 
     async def one(self, rng: random.Random, ch, http: httpx.AsyncClient, n: int) -> str:
-        """One request; -> its outcome (finished | cancelled | refused)."""
+        """One request; -> its outcome (finished | cancelled | refused | error)."""
         kind = rng.choice(("kserve_stream", "kserve_unary", "native", "openai_stream",
                            "openai"))
         lo, hi = self.args.prompt_words
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
-        max_tokens = rng.randint(8, self.args.max_tokens)
-        temperature = rng.choice((0.0, 0.8))
-        cancel_after = rng.randint(1, 6) if rng.random() < self.args.cancel else None
+        draw = Draw(prompt=" ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi))),
+                    max_tokens=rng.randint(8, self.args.max_tokens),
+                    temperature=rng.choice((0.0, 0.8)),
+                    cancel_after=rng.randint(1, 6) if rng.random() < self.args.cancel
+                    else None)
         try:
-            if kind == "kserve_stream":
-                call = kpb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(iter([
-                    kserve_request(self.model, str(n), prompt, max_tokens, True,
-                                   temperature)]))
-                got = 0
-                async for r in call:
-                    if r.error_message:
-                        raise RuntimeError(r.error_message)
-                    got += 1
-                    if cancel_after and got >= cancel_after:
-                        call.cancel()
-                        return "cancelled"
-                    if r.infer_response.parameters["triton_final_response"].bool_param:
-                        return "finished"
-                return "finished"
-            if kind == "kserve_unary":
-                req = kserve_request(self.model, str(n), prompt, max_tokens, False,
-                                     temperature)
-                if cancel_after:   # a client that gives up: a deadline shorter than the work
-                    try:
-                        await kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(
-                            req, timeout=0.05 * cancel_after)
-                    except grpc.aio.AioRpcError as e:
-                        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                            return "cancelled"
-                        raise
-                    return "finished"
-                await kpb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req)
-                return "finished"
+            if kind in ("kserve_stream", "kserve_unary"):
+                req = kserve_request(self.model, str(n), draw.prompt, draw.max_tokens,
+                                     kind == "kserve_stream", draw.temperature)
+                stub = kpb_grpc.GRPCInferenceServiceStub(ch)
+                if kind == "kserve_stream":
+                    return await self._kserve_stream(stub, req, draw.cancel_after)
+                return await self._kserve_unary(stub, req, draw.cancel_after)
             if kind == "native":
-                call = pb_grpc.KilnStub(ch).Generate(pb.GenerateRequest(
-                    prompt=prompt, sampling=pb.SamplingParams(max_tokens=max_tokens,
-                                                              temperature=temperature)))
-                got = 0
-                async for chunk in call:
-                    got += 1
-                    if cancel_after and got >= cancel_after:
-                        call.cancel()
-                        return "cancelled"
-                    if chunk.finished:
-                        if chunk.finish_reason not in ("stop", "length"):
-                            raise RuntimeError(f"native: {chunk.finish_reason} {chunk.error}")
-                        return "finished"
-                return "finished"
-            body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": kind == "openai_stream"}
-            if kind == "openai_stream":
-                async with http.stream("POST", self.http_base + "/v1/completions",
-                                       json=body) as r:
-                    r.raise_for_status()
-                    got = 0
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data: "):
-                            continue
-                        got += 1
-                        if cancel_after and got >= cancel_after:
-                            return "cancelled"      # leaving the block closes the connection
-                        if line == "data: [DONE]":
-                            return "finished"
-                return "finished"
-            if cancel_after:
-                try:
-                    await http.post(self.http_base + "/v1/completions", json=body,
-                                    timeout=0.05 * cancel_after)
-                except httpx.TimeoutException:
-                    return "cancelled"
-                return "finished"
-            r = await http.post(self.http_base + "/v1/completions", json=body)
-            r.raise_for_status()
-            return "finished"
+                return await self._native(pb_grpc.KilnStub(ch), draw)
+            return await self._openai(http, draw, stream=kind == "openai_stream")
         except grpc.aio.AioRpcError as e:
             if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 return "refused"
@@ -172,6 +124,78 @@ class Soak:
         except Exception as e:   # noqa: BLE001 - counted and reported
             self.errors.append(f"{kind}: {type(e).__name__}: {e}")
             return "error"
+
+    @staticmethod
+    async def _kserve_stream(stub, req, cancel_after: Optional[int]) -> str:
+        call = stub.ModelStreamInfer(iter([req]))
+        got = 0
+        async for r in call:
+            if r.error_message:
+                raise RuntimeError(r.error_message)
+            got += 1
+            if cancel_after and got >= cancel_after:
+                call.cancel()
+                return "cancelled"
+            if r.infer_response.parameters["triton_final_response"].bool_param:
+                return "finished"
+        return "finished"
+
+    @staticmethod
+    async def _kserve_unary(stub, req, cancel_after: Optional[int]) -> str:
+        if not cancel_after:
+            await stub.ModelInfer(req)
+            return "finished"
+        try:       # a client that gives up: a deadline shorter than the work
+            await stub.ModelInfer(req, timeout=0.05 * cancel_after)
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                return "cancelled"
+            raise
+        return "finished"
+
+    @staticmethod
+    async def _native(stub, draw: Draw) -> str:
+        call = stub.Generate(pb.GenerateRequest(
+            prompt=draw.prompt, sampling=pb.SamplingParams(max_tokens=draw.max_tokens,
+                                                           temperature=draw.temperature)))
+        got = 0
+        async for chunk in call:
+            got += 1
+            if draw.cancel_after and got >= draw.cancel_after:
+                call.cancel()
+                return "cancelled"
+            if chunk.finished:
+                if chunk.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"native: {chunk.finish_reason} {chunk.error}")
+                return "finished"
+        return "finished"
+
+    async def _openai(self, http: httpx.AsyncClient, draw: Draw, stream: bool) -> str:
+        url = self.http_base + "/v1/completions"
+        body = {"model": self.model, "prompt": draw.prompt, "max_tokens": draw.max_tokens,
+                "temperature": draw.temperature, "stream": stream}
+        if stream:
+            async with http.stream("POST", url, json=body) as r:
+                r.raise_for_status()
+                got = 0
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    got += 1
+                    if draw.cancel_after and got >= draw.cancel_after:
+                        return "cancelled"      # leaving the block closes the connection
+                    if line == "data: [DONE]":
+                        return "finished"
+            return "finished"
+        if draw.cancel_after:
+            try:
+                await http.post(url, json=body, timeout=0.05 * draw.cancel_after)
+            except httpx.TimeoutException:
+                return "cancelled"
+            return "finished"
+        r = await http.post(url, json=body)
+        r.raise_for_status()
+        return "finished"
 
     async def worker(self, i: int, until: float, counter) -> None:
         rng = random.Random(self.args.seed * 1000 + i)

@@ -112,6 +112,17 @@ def generate(
     sys.stdout.write("\n")
 
 
+def _auth_token(token: Optional[str], token_file: Optional[Path]) -> Optional[str]:
+    """--auth-token / --auth-token-file -> the bearer token; None: auth is off."""
+    if token and token_file:
+        _fail("give --auth-token or --auth-token-file, not both", 2)
+    if token_file:
+        token = token_file.read_text().strip()
+        if not token:
+            _fail(f"{token_file} is empty", 2)
+    return token
+
+
 @app.command()
 def serve(
     plan: Path = typer.Argument(..., help="a plan directory"),
@@ -156,6 +167,9 @@ def serve(
     max_stream_requests: int = typer.Option(
         64, "--max-stream-requests", help="requests in flight per KServe ModelStreamInfer "
                                           "stream; more are not read until one ends"),
+    max_logprob_entries: int = typer.Option(
+        1 << 20, "--max-logprob-entries", help="choices x max_tokens x (1 + top logprobs) of "
+                                               "one OpenAI response that is not streamed"),
     threads: Optional[int] = typer.Option(
         None, "--threads", min=1, help="compute threads of the engine (default: "
         "OMP_NUM_THREADS, else this process's cores); every other thread computes "
@@ -170,23 +184,18 @@ def serve(
     from kiln.runtime.server.app import ServeConfig, ServeError, run
     from kiln.runtime.server.limits import RequestLimits
 
-    if auth_token and auth_token_file:
-        _fail("give --auth-token or --auth-token-file, not both", 2)
-    if auth_token_file:
-        auth_token = auth_token_file.read_text().strip()
-        if not auth_token:
-            _fail(f"{auth_token_file} is empty", 2)
     cfg = ServeConfig(plan=plan, host=host, port=port, metrics_port=metrics_port,
                       model_name=model_name, max_batch_size=max_batch_size,
                       max_num_tokens=max_num_tokens, max_queue=max_queue,
                       drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
-                      auth_token=auth_token, http_port=http_port, metrics_host=metrics_host,
-                      metrics_auth=metrics_auth, threads=threads)
+                      auth_token=_auth_token(auth_token, auth_token_file), http_port=http_port,
+                      metrics_host=metrics_host, metrics_auth=metrics_auth, threads=threads)
     try:
         cfg = dataclasses.replace(cfg, limits=RequestLimits(
             max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,
             max_stop=max_stop, max_bad_words=max_bad_words, max_prompts=max_prompts,
-            max_messages=max_messages, max_stream_requests=max_stream_requests))
+            max_messages=max_messages, max_stream_requests=max_stream_requests,
+            max_logprob_entries=max_logprob_entries))
     except FieldError as e:
         _fail(f"--{e.field.replace('_', '-')} {e.problem}", 2)
     try:

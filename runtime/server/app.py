@@ -19,7 +19,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -39,6 +39,9 @@ from kiln.runtime.server.kserve import KServeService
 from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.native import NativeService
 from kiln.runtime.server.proto import kiln_pb2, kiln_pb2_grpc
+
+if TYPE_CHECKING:
+    from kiln.runtime.server.openai_http import HttpServer
 
 log = logging.getLogger("kiln.server")
 
@@ -129,11 +132,48 @@ def _refusing(handler):
     return grpc.unary_unary_rpc_method_handler(unary, **kw)
 
 
+@dataclass
+class Listeners:
+    """What `listen` bound: the gRPC server and its health service, the HTTP API and the
+    metrics port (each None when off)."""
+    grpc: grpc.aio.Server
+    health: health.aio.HealthServicer
+    address: str
+    http: Optional[HttpServer] = None
+
+    async def set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for svc in ("", KSERVE, NATIVE):
+            await self.health.set(svc, status)
+
+    async def close(self) -> None:
+        """Stop what listens, at once (nothing was served yet, or the drain is over)."""
+        await self.grpc.stop(0)
+        if self.http is not None:
+            await self.http.stop()
+
+
 async def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM/SIGINT and a drain; the process's exit code."""
     name_os_thread("kiln-serve")   # the event loop's thread (and the process, in ps/top)
     _, model_name = check_config(cfg)
     fe = Frontend(model_name, limits=cfg.limits)
+    ports = await listen(cfg, fe)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    engine = await load_then_ready(cfg, fe, ports, stop)
+    if engine is None:      # stopped while loading
+        return EXIT_OK
+    await stop.wait()
+    return await drain_and_stop(cfg, fe, ports, engine)
+
+
+async def listen(cfg: ServeConfig, fe: Frontend) -> Listeners:
+    """Bind and start every port (gRPC, HTTP, metrics) with health NOT_SERVING: requests are
+    answered (UNAVAILABLE / 503) while the plan loads."""
     interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
     max_message = cfg.limits.max_request_bytes   # larger: RESOURCE_EXHAUSTED, never read
     server = grpc.aio.server(interceptors=interceptors, options=[
@@ -145,58 +185,53 @@ async def serve(cfg: ServeConfig) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
     reflection.enable_server_reflection(
         (KSERVE, NATIVE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    NOT, OK = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
-    for svc in ("", KSERVE, NATIVE):
-        await health_svc.set(svc, NOT)
+    ports = Listeners(server, health_svc, f"{cfg.host}:{cfg.port}")
+    await ports.set_health(False)
 
-    address = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
                                               Path(cfg.tls_cert).read_bytes())])
-        bound = server.add_secure_port(address, creds)
+        bound = server.add_secure_port(ports.address, creds)
     else:
-        bound = server.add_insecure_port(address)
+        bound = server.add_insecure_port(ports.address)
     if not bound:
-        raise ServeError(f"cannot listen on {address} (in use?)")
+        raise ServeError(f"cannot listen on {ports.address} (in use?)")
     await server.start()
-    http = None
     if cfg.http_port is not None:   # same loop, same Frontend (engine, metrics, drain)
         from kiln.runtime.server.openai_http import HttpServer
-        http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
+        ports.http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
         try:
-            await http.start(cfg.host, cfg.http_port)
+            await ports.http.start(cfg.host, cfg.http_port)
         except Exception:
             await server.stop(0)
             raise
     if cfg.metrics_port is not None:
         fe.metrics.serve(cfg.metrics_host or cfg.host, cfg.metrics_port,
                          cfg.auth_token if cfg.metrics_auth else None)
+    return ports
 
-    stop = asyncio.Event()
+
+async def load_then_ready(cfg: ServeConfig, fe: Frontend, ports: Listeners,
+                          stop: asyncio.Event) -> Optional[Engine]:
+    """Load and verify the plan off the loop, start the engine, health SERVING -> the
+    engine; None when `stop` was set while loading (everything is closed then)."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
     t0 = time.monotonic()
     log.info("loading plan %s", cfg.plan)
     load = loop.run_in_executor(None, _load, cfg)
     await asyncio.wait([load, asyncio.ensure_future(stop.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     if not load.done():     # stopped while loading
-        await server.stop(0)
-        if http is not None:
-            await http.stop()
+        await ports.close()
         try:
             (await load)[0].shutdown()
         except Exception:
             pass
-        return 0
+        return None
     try:
         engine, plan = load.result()
     except Exception as e:
-        await server.stop(0)
-        if http is not None:
-            await http.stop()
+        await ports.close()
         raise ServeError(f"cannot load the plan: {e}") from e
     # What is loaded by now (torch, grpc, the plan, the tokenizer: some 320k objects the
     # collector tracks) lives as long as the server: frozen out of the collector's reach, a
@@ -205,15 +240,13 @@ async def serve(cfg: ServeConfig) -> int:
     gc.collect()
     gc.freeze()
     fe.set_ready(engine, plan)
-    for svc in ("", KSERVE, NATIVE):
-        await health_svc.set(svc, OK)
+    await ports.set_health(True)
 
     async def engine_failed(reason: str) -> None:
         log.critical("the engine failed (%s): health NOT_SERVING, refusing every request",
                      reason)
         fe.set_failed(reason)
-        for svc in ("", KSERVE, NATIVE):
-            await health_svc.set(svc, NOT)
+        await ports.set_health(False)
 
     def on_engine_failure(reason: str) -> None:     # on the engine thread
         try:
@@ -223,19 +256,25 @@ async def serve(cfg: ServeConfig) -> int:
 
     engine.on_failure(on_engine_failure)
     log.info("serving %r on %s (%s, KServe v2 + kiln.v1), metrics on %s; loaded in %.1fs",
-             model_name, address, "TLS" if cfg.tls_cert else "plaintext",
+             fe.model_name, ports.address, "TLS" if cfg.tls_cert else "plaintext",
              f"{cfg.metrics_host or cfg.host}:{cfg.metrics_port}" if cfg.metrics_port is not None
              else "off",
              time.monotonic() - t0)
+    return engine
 
-    await stop.wait()
+
+async def drain_and_stop(cfg: ServeConfig, fe: Frontend, ports: Listeners,
+                         engine: Engine) -> int:
+    """After the first signal: drain (a second signal forces it), stop every port and the
+    engine -> the exit code."""
+    loop = asyncio.get_running_loop()
     force = asyncio.Event()       # a second signal: stop draining, cancel everything now
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, force.set)
     failed = fe.state is State.FAILED
-    code = await drain(fe, server, health_svc, cfg.drain_seconds, force)
-    if http is not None:    # drained with the gRPC server: refused new work, then stopped
-        await http.stop()
+    code = await drain(fe, ports.grpc, ports.health, cfg.drain_seconds, force)
+    if ports.http is not None:   # drained with the gRPC server: refused new work, then stopped
+        await ports.http.stop()
     await loop.run_in_executor(None, engine.shutdown, 10.0)
     if failed or fe.state is State.FAILED:
         code = EXIT_ENGINE_FAILED

@@ -1,4 +1,4 @@
-"""The quant plugin's linear kernels side by side on SmolLM2's shapes (README "Precisions").
+"""The quant plugin's linear kernels side by side on SmolLM2's shapes (docs/PERFORMANCE.md).
 
     python bench/linear_kernels.py [--threads 1] [--rows 1 4 32 64 128 512] [--isa avx2]
 

@@ -1,4 +1,4 @@
-"""Kiln vs llama.cpp on the same GGUF, side by side in one run (README "Kiln vs llama.cpp").
+"""Kiln vs llama.cpp on the same GGUF, side by side in one run (docs/PERFORMANCE.md).
 
     python bench/vs_llamacpp.py [--plan plans/smollm2-135m-throughput-cpu] [--threads 2]
         [--llamacpp-batched-bin DIR]

@@ -69,7 +69,7 @@ def hold_posts() -> None:
     """From now on this thread's LoopPost puts are held until release_posts() (the engine
     thread: it releases them as it launches the compiled step, which runs without the GIL, so
     the serving path runs during the step instead of between steps, where it took turns on
-    the GIL with the engine's own Python: `bench/serve_timeline.py`, README "Measured")."""
+    the GIL with the engine's own Python: `bench/serve_timeline.py`, docs/PERFORMANCE.md)."""
     _held.items = []
 
 

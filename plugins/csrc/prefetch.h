@@ -9,7 +9,7 @@
 // plan steps at batch 1 right after a 1 GiB read (median of 5 steps, alternating
 // processes): int8 7.21 -> 6.47 and 7.38 -> 6.64 ms (two series), W4A8 (throughput) 3.71 ->
 // 3.33, fp32 (519 MiB: never in cache) 28.0 -> 24.5, and with the steps back to back fp32
-// 26.8 -> 22.8 while int8 and W4A8, whose weights then sit in this host's 480 MiB L3, moved
+// 26.8 -> 22.8 while int8 and W4A8, whose weights then sit in that Xeon's 480 MiB L3, moved
 // within noise (4.19 / 4.32 -> 4.36 / 4.36, 2.49 -> 2.51). SmolLM2's lm_head alone (int8,
 // 28 MB) 18.6 -> 20.6 GB/s against torch.sum's 22-24. 32 and 128 KiB ahead gained less or
 // the same. A prefetch never faults, so one past the end of the weights is harmless.

@@ -17,10 +17,9 @@ from torch.export import Dim
 from kiln.contracts.manifest import CheckSection, EngineSection
 from kiln.plugins.isa import IsaLevel
 from kiln.plugins.paged_kv import kv_format
-from kiln.runtime.executor import ModelInput
+from kiln.runtime.executor import STEP_INPUTS, ModelInput
 
-INPUT_NAMES = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
-               "query_start_loc", "logits_indices", "k_caches", "v_caches")
+INPUT_NAMES = tuple(s.name for s in STEP_INPUTS) + ("k_caches", "v_caches")
 
 
 def engine_plugins(spec) -> list[str]:
@@ -99,19 +98,14 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
     inp = sample_input(T, B, tokens_per_block, num_logits=min(3, T))
     kc, vc = kv_format.new_pools(kv_dtype, cfg.num_layers, num_blocks, tokens_per_block,
                                  cfg.num_kv_heads, cfg.head_dim)
-    t_dim = _dim("T", 1, max_num_tokens)
     b_dim = _dim("B", 1, max_batch_size)
-    mb_dim = _dim("max_blocks", 1, max_blocks)
+    dims = {"T": _dim("T", 1, max_num_tokens), "B": b_dim,
+            "B+1": b_dim + 1 if b_dim is not None else None,
+            "max_blocks": _dim("max_blocks", 1, max_blocks), "N": _dim("N", 1, max_num_tokens)}
     nb_dim = Dim("num_blocks", min=2, max=1 << 24)
-    per_tok = {0: t_dim} if t_dim is not None else None
-    per_seq = {0: b_dim} if b_dim is not None else None
-    n_dim = _dim("N", 1, max_num_tokens)
     dynamic_shapes = (
-        per_tok, per_tok, per_tok,
-        {k: v for k, v in ((0, b_dim), (1, mb_dim)) if v is not None} or None,
-        per_seq,
-        {0: b_dim + 1} if b_dim is not None else None,
-        {0: n_dim} if n_dim is not None else None,
+        *({i: dims[d] for i, d in enumerate(s.dims) if dims[d] is not None} or None
+          for s in STEP_INPUTS),
         [{0: nb_dim}] * cfg.num_layers,
         [{0: nb_dim}] * cfg.num_layers,
     )

@@ -16,12 +16,11 @@ executor allocates them once and writes them in place, as it does without graphs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from kiln.runtime.executor import ModelInput
+from kiln.runtime.executor import STEP_INPUTS, ModelInput
 
 
 def batch_ladder(max_batch_size: int) -> list[int]:
@@ -42,50 +41,36 @@ def is_decode_only(batch: ModelInput) -> bool:
     return batch.input_ids.shape[0] == batch.context_lens.shape[0]
 
 
-@dataclass
+# Inputs a decode step copies into a graph's buffers: its token and sequence rows (T == B).
+# The others ("B+1" offsets, "N" logit rows) are 0..S and 0..S-1 for every B: fixed at creation.
+_COPIED = tuple(s.name for s in STEP_INPUTS if s.rows in ("T", "B"))
+
+
+def padding_batch(size: int, max_blocks: int, scratch_block: int, tokens_per_block: int,
+                  device) -> ModelInput:
+    """A decode step of `size` padding rows (see the module docstring), packed by the one
+    packer: each row token 0 at position 0 of a sequence whose every block is the scratch."""
+    return ModelInput.build([[0]] * size, [0] * size, [[scratch_block] * max_blocks] * size,
+                            tokens_per_block).to(device)
+
+
 class _Buffers:
-    """The static inputs of one captured size (row for row, ModelInput's fields)."""
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    context_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    logits_indices: torch.Tensor
+    """The static inputs of one captured size, and the padding they are reset to."""
 
-    @classmethod
-    def padding(cls, size: int, max_blocks: int, scratch_block: int, tokens_per_block: int,
-                device) -> "_Buffers":
-        """Buffers whose every row is a padding row (see the module docstring)."""
-        def full(shape, value, dtype):
-            return torch.full(shape, value, dtype=dtype, device=device)
-        return cls(input_ids=full((size,), 0, torch.int64),
-                   positions=full((size,), 0, torch.int64),
-                   slot_mapping=full((size,), scratch_block * tokens_per_block, torch.int64),
-                   block_tables=full((size, max_blocks), scratch_block, torch.int32),
-                   context_lens=full((size,), 1, torch.int32),
-                   query_start_loc=torch.arange(size + 1, dtype=torch.int32, device=device),
-                   logits_indices=torch.arange(size, dtype=torch.int64, device=device))
+    def __init__(self, size: int, max_blocks: int, scratch_block: int, tokens_per_block: int,
+                 device):
+        self.step = padding_batch(size, max_blocks, scratch_block, tokens_per_block, device)
+        self.padding = padding_batch(size, max_blocks, scratch_block, tokens_per_block, device)
 
-    def args(self) -> tuple:
-        return (self.input_ids, self.positions, self.slot_mapping, self.block_tables,
-                self.context_lens, self.query_start_loc, self.logits_indices)
-
-    def load(self, batch: ModelInput, scratch_block: int, tokens_per_block: int) -> None:
-        """Copy a decode-only batch of B rows in; reset rows B.. to padding."""
-        B, width = batch.input_ids.shape[0], batch.block_tables.shape[1]
-        for name in ("input_ids", "positions", "slot_mapping", "context_lens"):
-            dst = getattr(self, name)
-            dst[:B].copy_(getattr(batch, name), non_blocking=True)
-        self.input_ids[B:] = 0
-        self.positions[B:] = 0
-        self.slot_mapping[B:] = scratch_block * tokens_per_block
-        self.context_lens[B:] = 1
-        self.block_tables[:B, :width].copy_(batch.block_tables, non_blocking=True)
-        self.block_tables[:B, width:] = scratch_block   # never read: beyond each context
-        self.block_tables[B:] = scratch_block
-        # query_start_loc and logits_indices of a decode-only batch are 0..S and 0..S-1 for
-        # every B: fixed at creation.
+    def load(self, batch: ModelInput) -> None:
+        """Copy a decode-only batch in (its rows, its block tables' width); reset the rest
+        (rows B.., block-table columns past the batch's width) to padding."""
+        for name in _COPIED:
+            dst, src, pad = (getattr(b, name) for b in (self.step, batch, self.padding))
+            dst[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+            for d, n in enumerate(src.shape):   # the part of dst beyond src along dim d
+                rest = tuple(slice(0, m) for m in src.shape[:d]) + (slice(n, None),)
+                dst[rest].copy_(pad[rest], non_blocking=True)
 
 
 def pad_decode_batch(batch: ModelInput, size: int, max_blocks: int, scratch_block: int,
@@ -97,10 +82,9 @@ def pad_decode_batch(batch: ModelInput, size: int, max_blocks: int, scratch_bloc
     if B > size or batch.block_tables.shape[1] > max_blocks:
         raise ValueError(f"a batch of {B} x {batch.block_tables.shape[1]} blocks does not fit "
                          f"a graph of {size} x {max_blocks}")
-    buf = _Buffers.padding(size, max_blocks, scratch_block, tokens_per_block,
-                           batch.input_ids.device)
-    buf.load(batch, scratch_block, tokens_per_block)
-    return ModelInput(*buf.args())
+    buf = _Buffers(size, max_blocks, scratch_block, tokens_per_block, batch.input_ids.device)
+    buf.load(batch)
+    return buf.step
 
 
 class DecodeGraphs:
@@ -123,17 +107,17 @@ class DecodeGraphs:
         pool = None
         device = self.k_caches[0].device
         for size in sorted(self.sizes, reverse=True):
-            buf = _Buffers.padding(size, self.max_blocks, self.scratch_block,
-                                   self.tokens_per_block, device)
+            buf = _Buffers(size, self.max_blocks, self.scratch_block, self.tokens_per_block,
+                           device)
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):          # warm-up: allocator, lazy initialization
                 for _ in range(2):
-                    self.step_fn(*buf.args(), self.k_caches, self.v_caches)
+                    self.step_fn(*buf.step.args(), self.k_caches, self.v_caches)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self.step_fn(*buf.args(), self.k_caches, self.v_caches)
+                out = self.step_fn(*buf.step.args(), self.k_caches, self.v_caches)
             pool = graph.pool()
             self._graphs[size] = (graph, buf, out)
         torch.cuda.synchronize(device)
@@ -148,6 +132,6 @@ class DecodeGraphs:
         B = batch.input_ids.shape[0]
         size = next(s for s in self.sizes if s >= B)
         graph, buf, out = self._graphs[size]
-        buf.load(batch, self.scratch_block, self.tokens_per_block)
+        buf.load(batch)
         graph.replay()
         return out[:B].clone()

@@ -8,7 +8,8 @@ the block pool's job.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field, fields
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -70,17 +71,44 @@ def resolve_kv_budget(kv: KVCacheSection) -> int:
     return int(kv.budget_bytes)
 
 
+@dataclass(frozen=True)
+class StepInputSpec:
+    """One engine-step input: its name, dtype and shape in the step's symbolic dims (T: the
+    packed tokens, B: the sequences, max_blocks: the widest block table, N: the logit rows)."""
+    name: str
+    dtype: torch.dtype
+    dims: tuple[str, ...]
+
+    @property
+    def rows(self) -> str:
+        """What one row (index along dim 0) is: "T" a token, "B" a sequence, else a fixed
+        layout of the step ("B+1" offsets, "N" logit rows)."""
+        return self.dims[0]
+
+
+def _step_input(dtype: torch.dtype, *dims: str):
+    return field(metadata={"dtype": dtype, "dims": dims})
+
+
 @dataclass
 class ModelInput:
-    """The tensors of one engine step, exactly DESIGN.md's engine-step inputs."""
-    input_ids: torch.Tensor        # [T] int64  tokens, sequence after sequence
-    positions: torch.Tensor        # [T] int64  position of each token in its sequence
-    slot_mapping: torch.Tensor     # [T] int64  flat KV slot of each token
-    block_tables: torch.Tensor     # [B, max_blocks] int32
-    context_lens: torch.Tensor     # [B] int32  KV length of each sequence after this step
-    query_start_loc: torch.Tensor  # [B+1] int32
-    logits_indices: torch.Tensor   # [N] int64  rows whose logits are wanted (the engine: the
-                                   #            last scheduled token of each sequence)
+    """The tensors of one engine step, exactly DESIGN.md's engine-step inputs, in the order
+    the compiled step takes them. This is their one declaration: STEP_INPUTS (the export's
+    example inputs and dynamic dims, the CUDA-graph buffers) is read from these fields."""
+    # [T] tokens, sequence after sequence
+    input_ids: torch.Tensor = _step_input(torch.int64, "T")
+    # [T] position of each token in its sequence
+    positions: torch.Tensor = _step_input(torch.int64, "T")
+    # [T] flat KV slot of each token
+    slot_mapping: torch.Tensor = _step_input(torch.int64, "T")
+    # [B, max_blocks] each sequence's block ids
+    block_tables: torch.Tensor = _step_input(torch.int32, "B", "max_blocks")
+    # [B] KV length of each sequence after this step
+    context_lens: torch.Tensor = _step_input(torch.int32, "B")
+    # [B+1] offset of each sequence's tokens along T
+    query_start_loc: torch.Tensor = _step_input(torch.int32, "B+1")
+    # [N] rows whose logits are wanted (the engine: the last scheduled token of each sequence)
+    logits_indices: torch.Tensor = _step_input(torch.int64, "N")
 
     @classmethod
     def build(cls, token_ids: Sequence[Sequence[int]], starts: Sequence[int],
@@ -147,8 +175,17 @@ class ModelInput:
         )
 
     def args(self) -> tuple:
-        return (self.input_ids, self.positions, self.slot_mapping, self.block_tables,
-                self.context_lens, self.query_start_loc, self.logits_indices)
+        """The tensors in STEP_INPUTS order (the compiled step's positional inputs)."""
+        return _step_args(self)
+
+    def to(self, device) -> "ModelInput":
+        """The same step on `device`."""
+        return ModelInput(*(t.to(device) for t in self.args()))
+
+
+STEP_INPUTS: tuple[StepInputSpec, ...] = tuple(
+    StepInputSpec(f.name, f.metadata["dtype"], f.metadata["dims"]) for f in fields(ModelInput))
+_step_args = operator.attrgetter(*(s.name for s in STEP_INPUTS))
 
 
 class Executor:

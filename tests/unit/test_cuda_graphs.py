@@ -6,10 +6,11 @@ import torch
 
 from kiln.plugins.paged_kv import kv_format
 from kiln.runtime.cuda_graphs import batch_ladder, is_decode_only, pad_decode_batch
-from kiln.runtime.executor import ModelInput
+from kiln.runtime.executor import STEP_INPUTS, ModelInput
 from tests.runtime_helpers import tiny_model
 
 pytestmark = pytest.mark.unit
+FIELDS = tuple(s.name for s in STEP_INPUTS)
 
 
 def test_ladder_covers_every_batch_size_with_bounded_padding():
@@ -70,3 +71,20 @@ def test_mixed_batches_are_not_padded():
     decode = ModelInput.build([[1]] * 5, [3] * 5, [[i] for i in range(5)], 16)
     with pytest.raises(ValueError, match="does not fit"):
         pad_decode_batch(decode, 4, 2, 7, 16)
+
+
+def test_a_reused_buffer_is_reset_to_padding_beyond_each_batch():
+    """A graph's buffers serve batch after batch: what a wider batch wrote (rows, block-table
+    columns) goes back to padding when a narrower one is loaded."""
+    from kiln.runtime.cuda_graphs import _Buffers
+
+    wide = ModelInput.build([[5], [6], [7]], [20, 9, 40], [[3, 7], [1], [5, 9, 11]], 16)
+    narrow = ModelInput.build([[8]], [4], [[2]], 16)
+    buf = _Buffers(4, 3, 23, 16, "cpu")
+    buf.load(wide)
+    buf.load(narrow)
+    fresh = pad_decode_batch(narrow, 4, 3, 23, 16)
+    for name, a, b in zip(FIELDS, buf.step.args(), fresh.args()):
+        assert torch.equal(a, b), name
+    assert buf.step.block_tables.tolist() == [[2, 23, 23]] + [[23] * 3] * 3
+    assert buf.step.slot_mapping.tolist() == [2 * 16 + 4] + [23 * 16] * 3

@@ -1,9 +1,13 @@
 """ModelInput.build: the decode packing (one token per sequence) gives exactly the tensors of
-the general packing."""
+the general packing; ModelInput's fields are the one declaration of the engine-step inputs."""
+import inspect
+
 import pytest
 import torch
 
-from kiln.runtime.executor import ModelInput
+from kiln.builder.arch.llama import LlamaModel
+from kiln.builder.compile import INPUT_NAMES
+from kiln.runtime.executor import STEP_INPUTS, ModelInput
 
 pytestmark = pytest.mark.unit
 FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "context_lens",
@@ -32,3 +36,15 @@ def test_mixed_prefill_and_decode_packing():
     assert m.query_start_loc.tolist() == [0, 3, 4]
     assert m.context_lens.tolist() == [3, 6]
     assert m.logits_indices.tolist() == [2, 3]
+
+
+def test_the_step_inputs_are_declared_once_and_every_user_reads_that_declaration():
+    assert tuple(s.name for s in STEP_INPUTS) == FIELDS
+    # the export's input names and the model's forward() follow the same order
+    assert INPUT_NAMES == FIELDS + ("k_caches", "v_caches")
+    assert tuple(inspect.signature(LlamaModel.forward).parameters)[1:] == INPUT_NAMES
+    # both packings produce the declared dtypes and ranks, in args() order
+    for m in (ModelInput.build([[1, 2, 3], [4]], [0, 5], [[7], [8, 9]], 4),
+              ModelInput.build([[1], [4]], [2, 5], [[7], [8, 9]], 4)):
+        for spec, t in zip(STEP_INPUTS, m.args(), strict=True):
+            assert t.dtype == spec.dtype and t.dim() == len(spec.dims), spec.name

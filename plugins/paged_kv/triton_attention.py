@@ -33,6 +33,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kiln.plugins.paged_kv import kv_format
+from kiln.plugins.triton_common import bf16_bits, dot_precision
 
 OP = "kiln::paged_attention_triton"
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -51,15 +52,6 @@ def _rne(x):
     odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
     up = (frac > 0.5) | ((frac == 0.5) & odd)
     return tl.where(up, fl + 1.0, fl)
-
-
-@triton.jit
-def _bf16_bits(x):
-    """float32 x -> bfloat16 bit pattern (int16), round to nearest even like torch's .to();
-    the interpreter's own float32 -> bfloat16 cast truncates."""
-    bits = x.to(tl.int32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.int16)
 
 
 @triton.jit
@@ -87,9 +79,9 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
     m = t_mask[:, None] & d_mask[None, :]
     off = rows[:, None] + d[None, :]
     if QUANT == 0:
-        if BF16_FROM_F32:   # round to nearest even in integer arithmetic (see _bf16_bits)
+        if BF16_FROM_F32:   # round to nearest even in integer arithmetic (see bf16_bits)
             bits_ptr = cache_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-            tl.store(bits_ptr + off, _bf16_bits(x), mask=m)
+            tl.store(bits_ptr + off, bf16_bits(x), mask=m)
         else:
             tl.store(cache_ptr + off, x.to(cache_ptr.dtype.element_ty), mask=m)
     else:
@@ -216,7 +208,7 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
     o_mask = row_valid[:, None] & d_mask[None, :]
     if OUT_BF16:
         bits_ptr = out_ptr.to(tl.pointer_type(tl.int16), bitcast=True)
-        tl.store(bits_ptr + o_off[:, None] + d[None, :], _bf16_bits(out), mask=o_mask)
+        tl.store(bits_ptr + o_off[:, None] + d[None, :], bf16_bits(out), mask=o_mask)
     else:
         tl.store(out_ptr + o_off[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=o_mask)
@@ -255,15 +247,6 @@ def _check_inputs(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context
     need(block_tables.dim() == 2 and query_start_loc.shape[0] == context_lens.shape[0] + 1,
          "query_start_loc must be [B+1] for context_lens [B]")
     need(slot_mapping.shape[0] == T, f"slot_mapping must be [T={T}]")
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision for activations of `dtype`. Operands are float32 in
-    registers either way: fp32 activations multiply in full precision (ieee); bf16/fp16 ones
-    use TF32 tensor cores, exact for bf16 operands and int8/E4M3 codes (10 mantissa bits).
-    (Triton's interpreter multiplies bf16 operands of tl.dot as raw bits, so bf16 dots are
-    avoided altogether.)"""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _inner(x: torch.Tensor) -> torch.Tensor:

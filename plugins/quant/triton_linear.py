@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from kiln.plugins.paged_kv.triton_attention import _bf16_bits, dot_precision
 from kiln.plugins.quant import formats
+from kiln.plugins.triton_common import bf16_bits, dot_precision
 
 X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BLOCK_M = 16
@@ -45,7 +45,7 @@ def _epilogue(acc, rm, rn, M, N, b_ptr, y_ptr, sym, HAS_BIAS: tl.constexpr,
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     off = rm.to(tl.int64)[:, None] * sym + rn[None, :]
     if OUT_BF16:   # round to nearest even, as torch's .to(bfloat16) (the interpreter truncates)
-        tl.store(y_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + off, _bf16_bits(acc),
+        tl.store(y_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + off, bf16_bits(acc),
                  mask=mask)
     else:
         tl.store(y_ptr + off, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -137,3 +137,21 @@ def test_every_import_names_the_kiln_package():
             stale += [f"{f.relative_to(ROOT)}:{node.lineno} {n}" for n in names
                       if n.split(".")[0] in OLD_TOP_LEVEL]
     assert stale == []
+
+
+def test_no_plugin_imports_another_plugins_private_name():
+    """A plugin (a folder of plugins/) may use another plugin's public names only; what two
+    plugins share privately lives in a shared module of plugins/ (cpp_build, triton_common)."""
+    private = []
+    for f in (ROOT / "plugins").rglob("*.py"):
+        parts = f.relative_to(ROOT / "plugins").parts
+        mine = parts[0] if len(parts) > 1 else None   # None: a shared module of plugins/
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.startswith("kiln.plugins.")):
+                continue
+            theirs = node.module.split(".")[2]
+            if (ROOT / "plugins" / theirs).is_dir() and theirs != mine:
+                private += [f"{f.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert private == []

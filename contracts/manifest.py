@@ -20,6 +20,7 @@ config, builder/arch `LlamaConfig.to_dict()`; ModelSection.shape is its typed vi
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
@@ -379,3 +380,10 @@ class StoredPlan:
                                for rel, meta in files.items()},
                    fingerprint_inputs=get("fingerprint_inputs", dict, {}),
                    spec=get("spec", dict, {}))
+
+
+def manifest_digest(raw: bytes) -> str:
+    """A plan's digest: the sha256 of its plan.json bytes. plan.json holds every other file's
+    sha256, so the digest names the plan's whole content (kiln ci records it beside the
+    fingerprint; `kiln serve --expect-digest` refuses any other plan)."""
+    return hashlib.sha256(raw).hexdigest()

@@ -174,6 +174,9 @@ def serve(
         None, "--threads", min=1, help="compute threads of the engine (default: "
         "OMP_NUM_THREADS, else this process's cores); every other thread computes "
         "single-threaded"),
+    expect_digest: Optional[str] = typer.Option(
+        None, "--expect-digest", metavar="SHA256", help="refuse the plan unless the sha256 of "
+        "its plan.json is this (kiln ci current NAME --digest)"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
@@ -189,7 +192,8 @@ def serve(
                       max_num_tokens=max_num_tokens, max_queue=max_queue,
                       drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
                       auth_token=_auth_token(auth_token, auth_token_file), http_port=http_port,
-                      metrics_host=metrics_host, metrics_auth=metrics_auth, threads=threads)
+                      metrics_host=metrics_host, metrics_auth=metrics_auth, threads=threads,
+                      expect_digest=expect_digest)
     try:
         cfg = dataclasses.replace(cfg, limits=RequestLimits(
             max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,

@@ -9,16 +9,23 @@ version, a file whose checksum does not match, a CPU ISA or compute capability t
 lacks, a torch the compiled code was not built for. Each refusal says what the plan needs,
 what this machine has, and the command that rebuilds it.
 
-Each file is hashed once per load: the data files (tokenizer, generation config) by
-`load_plan`, the code (the engine and its kernels) by `load_step_fn` while it copies them
-into a private directory, the copy being what is loaded.
+Every file the runtime reads is listed in the manifest, inside the plan directory (no link
+out), and read once: `load_plan` reads plan.json (its sha256 is the plan's digest: plan.json
+holds every other file's sha256, so the digest names the whole plan) and each data file
+(tokenizer, generation config with the chat template, accuracy reference), checks those bytes
+against their sha256 and keeps them (`Plan.data`): the tokenizer is built from them, never
+from the file again. The code (the engine and its kernels) is hashed by `load_step_fn` while
+it copies it into a private directory, the copy being what is loaded.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import platform
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -26,7 +33,7 @@ import torch
 
 from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
 from kiln.contracts.manifest import (EngineSection, FileEntry, LimitsSection, ManifestError,
-                                     ModelShape, PlanManifest, TargetSection)
+                                     ModelShape, PlanManifest, TargetSection, manifest_digest)
 from kiln.plugins import isa as cpu_isa
 
 
@@ -39,12 +46,23 @@ class PlanError(RuntimeError):
         self.field = field
 
 
+# The data files every plan has (builder/build.py writes them); the runtime reads them from
+# Plan.data, never from the directory.
+TOKENIZER_FILE = "tokenizer.json"
+GENERATION_FILE = "generation.json"    # bos/eos ids, add_bos_token, the chat template
+DATA_FILES = (TOKENIZER_FILE, GENERATION_FILE)
+
+
 @dataclass
 class Plan:
     """A verified plan directory and its manifest."""
 
     path: Path
     manifest: PlanManifest
+    # rel -> the bytes of each data file (every file but the code), read once by load_plan
+    # and checked against the manifest's sha256: the only copy the runtime uses.
+    data: Mapping[str, bytes] = field(default_factory=dict, repr=False)
+    digest: Optional[str] = None   # sha256 of the plan.json bytes the manifest was read from
 
     @property
     def name(self) -> str:
@@ -64,14 +82,25 @@ class Plan:
 
     @property
     def generation(self) -> dict:
-        return json.loads((self.path / "generation.json").read_text())
+        """generation.json, parsed from its verified bytes."""
+        try:
+            gen = json.loads(self.data_file(GENERATION_FILE))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan {self.path}: {GENERATION_FILE} is not valid JSON ({e}). "
+                            f"Rebuild: {rebuild_command(self.manifest.spec_path)}") from None
+        if not isinstance(gen, dict):
+            raise PlanError(f"plan {self.path}: {GENERATION_FILE} is not a JSON object. "
+                            f"Rebuild: {rebuild_command(self.manifest.spec_path)}")
+        return gen
 
-    @property
-    def tokenizer_path(self) -> Path:
-        return self.path / "tokenizer.json"
-
-    def file(self, rel: str) -> Path:
-        return self.path / rel
+    def data_file(self, rel: str) -> bytes:
+        """The verified bytes of data file `rel` (read once, by load_plan)."""
+        try:
+            return self.data[rel]
+        except KeyError:
+            raise PlanError(f"plan {self.path}: {rel} was not read with it; load the plan with "
+                            "load_plan, which reads each file the manifest lists once and "
+                            "checks it against its sha256") from None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -82,10 +111,17 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def read_manifest(path: str | Path) -> PlanManifest:
+def read_manifest(path: str | Path, expect_digest: Optional[str] = None) -> PlanManifest:
     """The one reader of plan.json: PlanError for a directory that is not a plan, a manifest
-    of another format version, or one with a bad field (named, in .field too)."""
-    path = Path(path)
+    of another format version, or one with a bad field (named, in .field too).
+    expect_digest: refuse a plan.json whose sha256 differs (check_digest)."""
+    manifest, digest = _read_manifest(Path(path))
+    check_digest(Path(path), digest, expect_digest)
+    return manifest
+
+
+def _read_manifest(path: Path) -> tuple[PlanManifest, str]:
+    """(the manifest, its digest), both from one read of plan.json's bytes."""
     mpath = path / MANIFEST_FILE
     if not path.is_dir():
         raise PlanError(f"{path} is not a plan directory (no such directory). "
@@ -93,8 +129,9 @@ def read_manifest(path: str | Path) -> PlanManifest:
     if not mpath.is_file():
         raise PlanError(f"{path} is not a plan: it has no {MANIFEST_FILE}. "
                         "Build one with: kiln build model_specs/<spec>.yaml")
+    raw = _read_plan_file(path, MANIFEST_FILE, rebuild_command(None))
     try:
-        data = json.loads(mpath.read_text())
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"{mpath} is corrupt (not valid JSON: {e}). "
                         f"Rebuild the plan: {rebuild_command(None)}") from None
@@ -108,10 +145,17 @@ def read_manifest(path: str | Path) -> PlanManifest:
                         f"runtime reads version {PLAN_FORMAT_VERSION}. Rebuild it with this kiln: "
                         f"{fix}", "format_version")
     try:
-        return PlanManifest.from_json(data)
+        return PlanManifest.from_json(data), manifest_digest(raw)
     except ManifestError as e:
         raise PlanError(f"{mpath} is corrupt: its field {e.field} is wrong ({e.problem}). "
                         f"Rebuild the plan: {fix}", e.field) from None
+
+
+def check_digest(path: Path, digest: str, expected: Optional[str]) -> None:
+    """Refuse a plan whose plan.json digest is not `expected` (None: any plan)."""
+    if expected is not None and digest != expected.strip().lower():
+        raise PlanError(f"plan {path} has digest {digest}, not the expected {expected.strip()} "
+                        "(--expect-digest): it is another plan, or was changed", "digest")
 
 
 def rebuild_command(spec_path: Optional[str]) -> str:
@@ -219,23 +263,65 @@ def check_engine_entries(manifest: PlanManifest, path: Path) -> None:
                         f"{rebuild_command(manifest.spec_path)}", "engine.plugins")
 
 
-def check_files(manifest: PlanManifest, path: Path) -> None:
-    """Every file is there at its size; the data files match their sha256. The code files
-    (engine, kernels) are hashed by load_step_fn as it copies them: once, on the bytes it
-    loads."""
+def check_files(manifest: PlanManifest, path: Path) -> dict[str, bytes]:
+    """Every file is there at its size; each data file (all but the code) is read once, here,
+    and must match its sha256 -> rel -> those bytes (Plan.data). The code files (engine,
+    kernels) are hashed by load_step_fn as it copies them: once, on the bytes it loads."""
     fix = rebuild_command(manifest.spec_path)
+    for rel in DATA_FILES:
+        if rel not in manifest.files:
+            raise PlanError(f"plan {path} is refused: {rel} is not among the files its manifest "
+                            f"checksums, so its bytes cannot be verified. Rebuild: {fix}", "files")
     code = set(code_files(manifest.engine))
+    data = {}
     for rel, meta in manifest.files.items():
         f = confined(path, rel, "files entry")
+        if rel not in code:
+            data[rel] = read_verified(path, rel, meta, fix)
+            continue
         if not f.is_file():
             raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}")
         size = f.stat().st_size
         if size != meta.size:
             raise PlanError(f"plan {path} is corrupt: {rel} is {size} bytes, the manifest says "
                             f"{meta.size}. Rebuild: {fix}")
-        if rel not in code and sha256_file(f) != meta.sha256:
-            raise PlanError(f"plan {path} is corrupt: {rel} does not match its sha256 in the "
-                            f"manifest (changed after the build). Rebuild: {fix}")
+    return data
+
+
+def read_verified(path: Path, rel: str, expected: FileEntry, fix: str) -> bytes:
+    """The bytes of plan file `rel`, read once and checked against the manifest's size and
+    sha256; PlanError otherwise."""
+    data = _read_plan_file(path, rel, fix, expected.size)
+    if len(data) != expected.size:
+        got = f"more than {expected.size}" if len(data) > expected.size else str(len(data))
+        raise PlanError(f"plan {path} is corrupt: {rel} is {got} bytes, the manifest says "
+                        f"{expected.size}. Rebuild: {fix}")
+    if hashlib.sha256(data).hexdigest() != expected.sha256:
+        raise PlanError(f"plan {path} is corrupt: {rel} does not match its sha256 in the "
+                        f"manifest (changed after the build). Rebuild: {fix}")
+    return data
+
+
+def _read_plan_file(path: Path, rel: str, fix: str, size: Optional[int] = None) -> bytes:
+    """A regular file inside the plan, read without following a link (a link, even one that
+    stays inside, is refused: a plan is built of plain files). size: read at most one byte
+    past it (enough to tell the file is longer)."""
+    f = confined(path, rel, "file")
+    try:
+        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PlanError(f"plan {path} is refused: {rel} is a symbolic link; a plan's files "
+                            f"are read as they are, never through a link. Rebuild: {fix}",
+                            "files") from None
+        raise PlanError(f"plan {path}: cannot read {rel} ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            raise PlanError(f"plan {path} is refused: {rel} is not a regular file. "
+                            f"Rebuild: {fix}", "files")
+        return fh.read() if size is None else fh.read(size + 1)
 
 
 def verified_copy(path: Path, rel: str, into: Path, expected: Optional[FileEntry],
@@ -256,17 +342,18 @@ def verified_copy(path: Path, rel: str, into: Path, expected: Optional[FileEntry
     return dst
 
 
-def load_plan(path: str | Path, verify_checksums: bool = True) -> Plan:
-    """Read and verify a plan directory (format, target, toolchain, checksums)."""
+def load_plan(path: str | Path, expect_digest: Optional[str] = None) -> Plan:
+    """Read and verify a plan directory (format, target, toolchain, checksums), reading
+    plan.json and each data file once. expect_digest: refuse a plan whose plan.json sha256
+    differs (a pinned plan: `kiln serve --expect-digest`)."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest, digest = _read_manifest(path)
+    check_digest(path, digest, expect_digest)
     check_target(manifest.target, path, spec_path=manifest.spec_path,
                  pinned_isa=manifest.pinned_isa)
     check_toolchain(manifest, path)
     check_engine_entries(manifest, path)
-    if verify_checksums:
-        check_files(manifest, path)
-    return Plan(path=path, manifest=manifest)
+    return Plan(path=path, manifest=manifest, data=check_files(manifest, path), digest=digest)
 
 
 StepFn = Callable[..., torch.Tensor]

@@ -42,9 +42,12 @@ class Tokenizer:
 
     @classmethod
     def from_plan(cls, plan) -> "Tokenizer":
-        """From a runtime.plan.Plan (tokenizer.json + generation.json)."""
-        gen = plan.generation if (plan.path / "generation.json").is_file() else {}
-        return cls.from_file(plan.tokenizer_path, gen)
+        """From a runtime.plan.Plan: the bytes of tokenizer.json and generation.json that
+        load_plan read and checked (the files are not read again)."""
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from kiln.runtime.plan import TOKENIZER_FILE
+        return cls(HFTokenizer.from_buffer(plan.data_file(TOKENIZER_FILE)), plan.generation)
 
     @property
     def vocab_size(self) -> int:

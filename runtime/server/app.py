@@ -70,6 +70,7 @@ class ServeConfig:
     metrics_auth: bool = False               # the bearer token on the metrics port too
     limits: RequestLimits = RequestLimits()  # per-request caps (runtime/server/limits.py)
     threads: Optional[int] = None            # the engine thread's compute threads
+    expect_digest: Optional[str] = None      # refuse a plan whose plan.json sha256 differs
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -81,7 +82,7 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
     name). Raises ServeError."""
     from kiln.runtime.plan import PlanError
     try:
-        manifest = read_manifest(cfg.plan)
+        manifest = read_manifest(cfg.plan, cfg.expect_digest)
     except PlanError as e:
         raise ServeError(str(e))
     try:   # the limits are checked where the engine takes them, reported as flags here
@@ -283,7 +284,7 @@ async def drain_and_stop(cfg: ServeConfig, fe: Frontend, ports: Listeners,
 
 
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
-    plan = load_plan(cfg.plan)
+    plan = load_plan(cfg.plan, cfg.expect_digest)   # the bytes it runs, checked again
     return Engine.from_plan(plan, num_threads=cfg.threads, **cfg.overrides()), plan
 
 

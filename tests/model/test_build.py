@@ -157,23 +157,27 @@ def test_corrupt_manifest_names_the_field(tiny_plan, tmp_path):
 
 
 def test_loading_a_plan_hashes_each_file_once(tiny_plan, monkeypatch):
-    """load_plan hashes the data files, the step loader the code files as it copies them."""
+    """load_plan reads and hashes the data files, the step loader the code files as it copies
+    them; the tokenizer is built from the bytes load_plan read."""
     from kiln.runtime import plan as rplan
+    from kiln.runtime.tokenizer import Tokenizer
 
     hashed = []
-    sha256_file, verified_copy = rplan.sha256_file, rplan.verified_copy
+    read_verified, verified_copy = rplan.read_verified, rplan.verified_copy
 
-    def hash_file(f, *a):
-        hashed.append(Path(f).relative_to(tiny_plan).as_posix())
-        return sha256_file(f, *a)
+    def read(path, rel, *a):
+        hashed.append(rel)
+        return read_verified(path, rel, *a)
 
     def copy(path, rel, *a):
         hashed.append(rel)
         return verified_copy(path, rel, *a)
-    monkeypatch.setattr(rplan, "sha256_file", hash_file)
+    monkeypatch.setattr(rplan, "read_verified", read)
     monkeypatch.setattr(rplan, "verified_copy", copy)
+    monkeypatch.setattr(rplan, "sha256_file", None)   # nothing hashes a file by its path
     p = load_plan(tiny_plan)
     Executor.from_plan(p, kv_budget_bytes=1 << 20)
+    Tokenizer.from_plan(p)
     assert sorted(hashed) == sorted(p.manifest.files)
 
 

@@ -114,7 +114,7 @@ def generate(
 
 def _auth_token(token: Optional[str], token_file: Optional[Path]) -> Optional[str]:
     """--auth-token / --auth-token-file -> the bearer token; None: auth is off."""
-    if token and token_file:
+    if token is not None and token_file:
         _fail("give --auth-token or --auth-token-file, not both", 2)
     if token_file:
         token = token_file.read_text().strip()

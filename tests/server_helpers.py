@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -45,11 +46,12 @@ class ServerProcess:
     def __init__(self, plan: Path, *args: str, log_path: Path | None = None,
                  channel_credentials: grpc.ChannelCredentials | None = None,
                  metadata: tuple = (), metrics_token: str | None = None,
-                 entry: tuple = ("-m", "kiln.cli")):
+                 metrics_ca: Path | None = None, entry: tuple = ("-m", "kiln.cli")):
         self.port, self.metrics_port = free_port(), free_port()
         self.url = f"127.0.0.1:{self.port}"
         self.creds, self.metadata = channel_credentials, metadata
         self.metrics_token = metrics_token     # with --metrics-auth
+        self.metrics_ca = metrics_ca           # with TLS: the certificate /metrics is checked by
         cmd = [sys.executable, *entry, "serve", str(plan), "--host", "127.0.0.1",
                "--port", str(self.port), "--metrics-port", str(self.metrics_port), *args]
         self.log_path = log_path
@@ -84,10 +86,14 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """The kiln_* samples of /metrics, keyed by name{labels}."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        scheme, context = "http", None
+        if self.metrics_ca is not None:     # the test certificate names localhost, not the IP
+            scheme, context = "https", ssl.create_default_context(cafile=str(self.metrics_ca))
+            context.check_hostname = False
+        req = urllib.request.Request(f"{scheme}://127.0.0.1:{self.metrics_port}/metrics")
         if self.metrics_token:
             req.add_header("Authorization", f"Bearer {self.metrics_token}")
-        text = urllib.request.urlopen(req, timeout=5).read().decode()
+        text = urllib.request.urlopen(req, timeout=5, context=context).read().decode()
         out = {}
         for line in text.splitlines():
             if line.startswith("kiln_"):

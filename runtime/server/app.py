@@ -16,6 +16,8 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from kiln.runtime.server.errors import ServeError
 from kiln.runtime.server.frontend import Frontend, State
 from kiln.runtime.server.kserve import KServeService
 from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.metrics import MetricsServer
 from kiln.runtime.server.native import NativeService
 from kiln.runtime.server.proto import kiln_pb2, kiln_pb2_grpc
 
@@ -91,9 +94,86 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
         raise ServeError(f"--{e.field.replace('_', '-')} {e.problem}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ServeError("TLS needs both --tls-cert and --tls-key")
+    if cfg.auth_token is not None and not cfg.auth_token.strip():
+        raise ServeError("--auth-token is empty (an unset variable?): give the token, or "
+                         "leave the flag out to serve without auth")
     if cfg.metrics_auth and not cfg.auth_token:
         raise ServeError("--metrics-auth needs --auth-token or --auth-token-file")
+    seen: dict[tuple[str, int], str] = {}
+    for flag, host, port in _ports(cfg):
+        if (host, port) in seen and port != 0:
+            raise ServeError(f"{flag} {port} is also {seen[host, port]}")
+        seen[host, port] = flag
     return manifest, cfg.model_name or manifest.name
+
+
+def _ports(cfg: ServeConfig) -> list[tuple[str, str, int]]:
+    """(flag, host, port) of every port the server listens on."""
+    out = [("--port", cfg.host, cfg.port)]
+    if cfg.http_port is not None:
+        out.append(("--http-port", cfg.host, cfg.http_port))
+    if cfg.metrics_port is not None:
+        out.append(("--metrics-port", cfg.metrics_host or cfg.host, cfg.metrics_port))
+    return out
+
+
+@dataclass(frozen=True)
+class Tls:
+    """The server's certificate chain and key, read and checked once at start."""
+    cert: bytes
+    key: bytes
+    context: ssl.SSLContext     # server side, for the metrics port
+
+
+def read_tls(cfg: ServeConfig) -> Optional[Tls]:
+    """--tls-cert / --tls-key -> Tls (None: plaintext). Raises ServeError when a file cannot
+    be read or the two are not a certificate and its private key."""
+    if cfg.tls_cert is None:
+        return None
+    data = {}
+    for flag, path in (("--tls-cert", cfg.tls_cert), ("--tls-key", cfg.tls_key)):
+        try:
+            data[flag] = Path(path).read_bytes()
+        except OSError as e:
+            raise ServeError(f"cannot read {flag} {path}: {e.strerror}")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except (ssl.SSLError, OSError) as e:
+        raise ServeError(f"--tls-cert {cfg.tls_cert} and --tls-key {cfg.tls_key} are not a "
+                         f"PEM certificate and its private key "
+                         f"({getattr(e, 'reason', None) or e.strerror or e})")
+    return Tls(data["--tls-cert"], data["--tls-key"], context)
+
+
+def check_free(what: str, host: str, port: int) -> None:
+    """ServeError naming the port and the reason when (host, port) cannot be bound now.
+    gRPC reports only that a bind failed; this says why, before anything starts."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ServeError(f"cannot listen on {host}:{port} for {what}: {e.strerror}")
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+            try:
+                probe.bind(addr)
+            except OSError as e:
+                raise ServeError(f"cannot listen on {host}:{port} for {what}: {e.strerror}")
+
+
+def auth_summary(cfg: ServeConfig) -> str:
+    """One log line: whether a bearer token is required, and on which ports."""
+    ports = {"--port": "gRPC", "--http-port": "HTTP", "--metrics-port": "metrics"}
+    named = [(ports[flag], f"{host}:{port}") for flag, host, port in _ports(cfg)]
+    if not cfg.auth_token:
+        return ("auth: off, no bearer token on any port (" +
+                ", ".join(f"{what} {where}" for what, where in named) + ")")
+    on = [f"{what} {where}" for what, where in named if what != "metrics" or cfg.metrics_auth]
+    open_ = ["gRPC health"] + (["HTTP /health"] if cfg.http_port is not None else [])
+    open_ += [f"metrics {where}" for what, where in named
+              if what == "metrics" and not cfg.metrics_auth]
+    return f"auth: bearer token required on {', '.join(on)}; open: {', '.join(open_)}"
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
@@ -141,6 +221,7 @@ class Listeners:
     health: health.aio.HealthServicer
     address: str
     http: Optional[HttpServer] = None
+    metrics: Optional[MetricsServer] = None
 
     async def set_health(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -153,14 +234,18 @@ class Listeners:
         await self.grpc.stop(0)
         if self.http is not None:
             await self.http.stop()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 async def serve(cfg: ServeConfig) -> int:
     """Run the server until SIGTERM/SIGINT and a drain; the process's exit code."""
     name_os_thread("kiln-serve")   # the event loop's thread (and the process, in ps/top)
     _, model_name = check_config(cfg)
+    tls = read_tls(cfg)
     fe = Frontend(model_name, limits=cfg.limits)
-    ports = await listen(cfg, fe)
+    ports = await listen(cfg, fe, tls)
+    log.info("%s", auth_summary(cfg))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,44 +257,59 @@ async def serve(cfg: ServeConfig) -> int:
     return await drain_and_stop(cfg, fe, ports, engine)
 
 
-async def listen(cfg: ServeConfig, fe: Frontend) -> Listeners:
-    """Bind and start every port (gRPC, HTTP, metrics) with health NOT_SERVING: requests are
-    answered (UNAVAILABLE / 503) while the plan loads."""
+async def listen(cfg: ServeConfig, fe: Frontend, tls: Optional[Tls]) -> Listeners:
+    """Bind every port (gRPC, metrics, HTTP), then start them with health NOT_SERVING:
+    requests are answered (UNAVAILABLE / 503) while the plan loads. A port that cannot be
+    bound is a ServeError, and then nothing is left listening. With TLS every port speaks it,
+    the metrics port included (so --metrics-auth never sends the token in clear)."""
+    for flag, host, port in _ports(cfg):
+        check_free({"--port": "gRPC", "--http-port": "HTTP",
+                    "--metrics-port": "metrics"}[flag], host, port)
+    ports = _grpc_server(cfg, fe)
+    await ports.set_health(False)
+    try:
+        try:
+            if tls is not None:
+                bound = ports.grpc.add_secure_port(
+                    ports.address, grpc.ssl_server_credentials([(tls.key, tls.cert)]))
+            else:
+                bound = ports.grpc.add_insecure_port(ports.address)
+        except RuntimeError:   # grpc's "Failed to bind" (check_free says why, unless a race)
+            bound = 0
+        if not bound:
+            raise ServeError(f"cannot listen on {ports.address} for gRPC")
+        if cfg.metrics_port is not None:
+            ports.metrics = fe.metrics.bind(cfg.metrics_host or cfg.host, cfg.metrics_port,
+                                            cfg.auth_token if cfg.metrics_auth else None,
+                                            tls.context if tls else None)
+        if cfg.http_port is not None:   # same loop, same Frontend (engine, metrics, drain)
+            from kiln.runtime.server.openai_http import HttpServer
+            ports.http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
+            await ports.http.start(cfg.host, cfg.http_port)
+        await ports.grpc.start()
+    except BaseException:
+        await ports.close()
+        raise
+    if ports.metrics is not None:
+        ports.metrics.start()
+    return ports
+
+
+def _grpc_server(cfg: ServeConfig, fe: Frontend) -> Listeners:
+    """The gRPC server with every service on it, not bound yet; health NOT_SERVING."""
     interceptors = [AuthInterceptor(cfg.auth_token)] if cfg.auth_token else []
     max_message = cfg.limits.max_request_bytes   # larger: RESOURCE_EXHAUSTED, never read
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", max_message),
-        ("grpc.max_send_message_length", max(max_message, 64 * 2**20))])
+        ("grpc.max_send_message_length", max(max_message, 64 * 2**20)),
+        ("grpc.so_reuseport", 0)])   # a second server on a port in use fails, never shares it
     kserve_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(KServeService(fe), server)
     kiln_pb2_grpc.add_KilnServicer_to_server(NativeService(fe), server)
     health_svc = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_svc, server)
     reflection.enable_server_reflection(
         (KSERVE, NATIVE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    ports = Listeners(server, health_svc, f"{cfg.host}:{cfg.port}")
-    await ports.set_health(False)
-
-    if cfg.tls_cert:
-        creds = grpc.ssl_server_credentials([(Path(cfg.tls_key).read_bytes(),
-                                              Path(cfg.tls_cert).read_bytes())])
-        bound = server.add_secure_port(ports.address, creds)
-    else:
-        bound = server.add_insecure_port(ports.address)
-    if not bound:
-        raise ServeError(f"cannot listen on {ports.address} (in use?)")
-    await server.start()
-    if cfg.http_port is not None:   # same loop, same Frontend (engine, metrics, drain)
-        from kiln.runtime.server.openai_http import HttpServer
-        ports.http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
-        try:
-            await ports.http.start(cfg.host, cfg.http_port)
-        except Exception:
-            await server.stop(0)
-            raise
-    if cfg.metrics_port is not None:
-        fe.metrics.serve(cfg.metrics_host or cfg.host, cfg.metrics_port,
-                         cfg.auth_token if cfg.metrics_auth else None)
-    return ports
+    return Listeners(server, health_svc, f"{cfg.host}:{cfg.port}")
 
 
 async def load_then_ready(cfg: ServeConfig, fe: Frontend, ports: Listeners,

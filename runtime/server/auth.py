@@ -10,6 +10,8 @@ class BearerToken:
     """Accepts `Authorization: Bearer TOKEN` for one token, compared in constant time."""
 
     def __init__(self, token: str):
+        if not token.strip():    # "Bearer " would be the token: refused, never auth off
+            raise ValueError("the bearer token is empty")
         self._expected = f"Bearer {token}".encode()
 
     def accepts(self, header: Optional[Union[str, bytes]]) -> bool:

@@ -1,4 +1,4 @@
-"""Prometheus metrics (text format on --metrics-port).
+"""Prometheus metrics (text format on --metrics-port; HTTPS when the server has TLS).
 
 Request-level series are recorded by the Frontend as requests end; engine-level series
 (queue, running batch, KV blocks, prefix cache, preemptions, generated tokens) are read from
@@ -6,14 +6,18 @@ Request-level series are recorded by the Frontend as requests end; engine-level 
 """
 from __future__ import annotations
 
+import socket
+import ssl
 import threading
 from typing import Callable, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler, make_wsgi_app
 
 from kiln.runtime.engine import Engine, RequestOutput
 from kiln.runtime.server.auth import BearerToken
+from kiln.runtime.server.errors import ServeError
 
 # Latency buckets (seconds): sub-millisecond CPU decode steps up to minute-long requests.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -94,26 +98,69 @@ class Metrics:
     def refused(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def serve(self, host: str, port: int, auth_token: Optional[str] = None):
-        """Start the HTTP exposition server (a daemon thread) -> (server, thread). With
-        auth_token, a scrape needs 'Authorization: Bearer TOKEN' (else 401)."""
-        if auth_token is None:
-            return start_http_server(port, addr=host, registry=self.registry)
-        from wsgiref.simple_server import make_server
-        from prometheus_client.exposition import (ThreadingWSGIServer, _SilentHandler,
-                                                  make_wsgi_app)
-        app, token = make_wsgi_app(self.registry), BearerToken(auth_token)
+    def bind(self, host: str, port: int, auth_token: Optional[str] = None,
+             tls: Optional[ssl.SSLContext] = None) -> "MetricsServer":
+        """The /metrics HTTP server, bound to (host, port) and not yet serving (start()).
+        auth_token: a scrape needs 'Authorization: Bearer TOKEN' (else 401). tls: HTTPS.
+        A port that cannot be bound is a ServeError."""
+        app = make_wsgi_app(self.registry)
+        if auth_token is not None:
+            app = _guarded(app, BearerToken(auth_token))
+        try:
+            return MetricsServer(host, port, app, tls)
+        except OSError as e:
+            raise ServeError(f"cannot listen on {host}:{port} for metrics: {e.strerror}")
 
-        def guarded(environ, start_response):
-            if token.accepts(environ.get("HTTP_AUTHORIZATION")):
-                return app(environ, start_response)
-            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"),
-                                                ("Content-Type", "text/plain")])
-            return [b"missing or wrong bearer token\n"]
 
-        server = make_server(host, port, guarded, ThreadingWSGIServer,
-                             handler_class=_SilentHandler)
-        thread = threading.Thread(target=server.serve_forever, name="kiln-metrics",
-                                  daemon=True)
-        thread.start()
-        return server, thread
+def _guarded(app, token: BearerToken):
+    """The WSGI app behind a bearer-token check."""
+    def guarded(environ, start_response):
+        if token.accepts(environ.get("HTTP_AUTHORIZATION")):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"),
+                                            ("Content-Type", "text/plain")])
+        return [b"missing or wrong bearer token\n"]
+    return guarded
+
+
+class MetricsServer(ThreadingWSGIServer):
+    """Serves /metrics on its own daemon threads (one per connection). With TLS, each
+    connection's handshake runs on that connection's thread: a client that never completes
+    it holds only its own thread, for at most HANDSHAKE_SECONDS."""
+
+    HANDSHAKE_SECONDS = 10.0
+
+    def __init__(self, host: str, port: int, app, tls: Optional[ssl.SSLContext] = None):
+        self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.tls = tls
+        self._thread: Optional[threading.Thread] = None
+        super().__init__((host, port), _SilentHandler)   # binds and listens
+        self.set_app(app)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.serve_forever, name="kiln-metrics",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving (when started) and release the port."""
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join()
+        self.server_close()
+
+    def finish_request(self, request, client_address):
+        if self.tls is None:
+            return super().finish_request(request, client_address)
+        request.settimeout(self.HANDSHAKE_SECONDS)
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True)
+        except OSError:      # not TLS, or gone mid-handshake: nothing to answer
+            return None
+        try:
+            return super().finish_request(conn, client_address)
+        finally:
+            conn.close()
+
+    def handle_error(self, request, client_address):
+        """A scraper that went away mid-answer is not an error of the server."""

@@ -1,12 +1,17 @@
-"""`kiln serve` settings and lifecycle: refused limits, TLS + bearer auth, a full queue,
-and SIGTERM during load (drain, then cancel, exit 3: requests were cancelled)."""
+"""`kiln serve` settings and lifecycle: refused limits, TLS + bearer auth (the metrics port
+over TLS too), a full queue, SIGTERM during load (drain, then cancel, exit 3: requests were
+cancelled), and what refuses to start at all (busy ports, bad TLS files, an empty token)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -14,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kiln.runtime.server.proto import kiln_pb2 as pb
 from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
-from tests.server_helpers import ROOT, ServerProcess
+from tests.server_helpers import ROOT, ServerProcess, free_port
 
 pytestmark = pytest.mark.model
 
@@ -48,11 +53,20 @@ def test_tls_auth_and_full_queue(tiny_plan, tls_files, tmp_path):
     (tmp_path / "token").write_text("s3cret\n")
     creds = grpc.ssl_channel_credentials(cert.read_bytes())
     server = ServerProcess(tiny_plan, "--tls-cert", str(cert), "--tls-key", str(key),
-                           "--auth-token-file", str(tmp_path / "token"),
+                           "--auth-token-file", str(tmp_path / "token"), "--metrics-auth",
                            "--max-batch-size", "1", "--max-queue", "1",
-                           log_path=tmp_path / "serve.log", channel_credentials=creds)
+                           log_path=tmp_path / "serve.log", channel_credentials=creds,
+                           metrics_token="s3cret", metrics_ca=cert)
     try:
         server.wait_serving()          # health answers without the token
+        # the metrics port speaks TLS too: the token never crosses in clear text
+        assert server.metrics()["kiln_kv_blocks_total"] > 0
+        plain = f"http://127.0.0.1:{server.metrics_port}/metrics"
+        with pytest.raises((urllib.error.URLError, http.client.HTTPException, OSError)):
+            urllib.request.urlopen(urllib.request.Request(
+                plain, headers={"Authorization": "Bearer s3cret"}), timeout=10)
+        assert (f"auth: bearer token required on gRPC {server.url}, metrics "
+                f"127.0.0.1:{server.metrics_port}; open: gRPC health") in server.log()
         auth = (("authorization", "Bearer s3cret"),)
         with server.channel() as ch:
             stub = pb_grpc.KilnStub(ch)
@@ -135,3 +149,47 @@ def test_sigterm_drains_then_cancels_and_exits_3(tiny_plan, tmp_path):
             assert last.usage.completion_tokens == 240 and text
     assert server.proc.wait(30) == 3, server.log()     # 3: the drain cancelled requests
     assert f"draining: {n} requests in flight" in server.log()
+    assert "auth: off, no bearer token on any port (gRPC " in server.log()
+
+
+def _refused_at_start(plan, *flags: str) -> str:
+    """stderr of a `kiln serve` that must refuse to start: exit 2, one line, no traceback,
+    and nothing loaded (the plan is loaded only after every port is bound)."""
+    cmd = [sys.executable, "-m", "kiln.cli", "serve", str(plan), "--host", "127.0.0.1",
+           "--port", str(free_port()), "--metrics-port", str(free_port()), *flags]
+    try:   # (a flag given twice: the last one counts)
+        r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"kiln serve {flags} did not refuse to start: {e.stderr}")
+    assert r.returncode == 2, (flags, r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and "loading plan" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), r.stderr
+    return last
+
+
+def test_busy_ports_bad_tls_files_and_an_empty_token_refuse_to_start(tiny_plan, tmp_path):
+    # a port held by another listener, which (like a second kiln serve) allows port sharing
+    busy = socket.socket()
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = str(busy.getsockname()[1])
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    try:
+        for flag, what in (("--metrics-port", "metrics"), ("--http-port", "HTTP"),
+                           ("--port", "gRPC")):
+            line = _refused_at_start(tiny_plan, flag, port)
+            assert line == f"error: cannot listen on 127.0.0.1:{port} for {what}: " \
+                           "Address already in use", line
+    finally:
+        busy.close()
+    missing = tmp_path / "missing.pem"
+    line = _refused_at_start(tiny_plan, "--tls-cert", str(missing), "--tls-key", str(missing))
+    assert line == f"error: cannot read --tls-cert {missing}: No such file or directory"
+    junk = str(tmp_path / "junk.pem")
+    line = _refused_at_start(tiny_plan, "--tls-cert", junk, "--tls-key", junk)
+    assert "are not a PEM certificate and its private key" in line
+    for empty in ("", "  "):       # an unset variable must not turn auth off on every port
+        line = _refused_at_start(tiny_plan, "--auth-token", empty)
+        assert line.startswith("error: --auth-token is empty"), line

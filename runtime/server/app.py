@@ -107,8 +107,11 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
     return manifest, cfg.model_name or manifest.name
 
 
+PORT_NAMES = {"--port": "gRPC", "--http-port": "HTTP", "--metrics-port": "metrics"}
+
+
 def _ports(cfg: ServeConfig) -> list[tuple[str, str, int]]:
-    """(flag, host, port) of every port the server listens on."""
+    """(flag, host, port) of every port the server listens on (flag: a key of PORT_NAMES)."""
     out = [("--port", cfg.host, cfg.port)]
     if cfg.http_port is not None:
         out.append(("--http-port", cfg.host, cfg.http_port))
@@ -164,8 +167,7 @@ def check_free(what: str, host: str, port: int) -> None:
 
 def auth_summary(cfg: ServeConfig) -> str:
     """One log line: whether a bearer token is required, and on which ports."""
-    ports = {"--port": "gRPC", "--http-port": "HTTP", "--metrics-port": "metrics"}
-    named = [(ports[flag], f"{host}:{port}") for flag, host, port in _ports(cfg)]
+    named = [(PORT_NAMES[flag], f"{host}:{port}") for flag, host, port in _ports(cfg)]
     if not cfg.auth_token:
         return ("auth: off, no bearer token on any port (" +
                 ", ".join(f"{what} {where}" for what, where in named) + ")")
@@ -263,8 +265,7 @@ async def listen(cfg: ServeConfig, fe: Frontend, tls: Optional[Tls]) -> Listener
     bound is a ServeError, and then nothing is left listening. With TLS every port speaks it,
     the metrics port included (so --metrics-auth never sends the token in clear)."""
     for flag, host, port in _ports(cfg):
-        check_free({"--port": "gRPC", "--http-port": "HTTP",
-                    "--metrics-port": "metrics"}[flag], host, port)
+        check_free(PORT_NAMES[flag], host, port)
     ports = _grpc_server(cfg, fe)
     await ports.set_health(False)
     try:

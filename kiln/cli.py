@@ -167,9 +167,6 @@ def serve(
     max_stream_requests: int = typer.Option(
         64, "--max-stream-requests", help="requests in flight per KServe ModelStreamInfer "
                                           "stream; more are not read until one ends"),
-    max_logprob_entries: int = typer.Option(
-        1 << 20, "--max-logprob-entries", help="choices x max_tokens x (1 + top logprobs) of "
-                                               "one OpenAI response that is not streamed"),
     threads: Optional[int] = typer.Option(
         None, "--threads", min=1, help="compute threads of the engine (default: "
         "OMP_NUM_THREADS, else this process's cores); every other thread computes "
@@ -198,8 +195,7 @@ def serve(
         cfg = dataclasses.replace(cfg, limits=RequestLimits(
             max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,
             max_stop=max_stop, max_bad_words=max_bad_words, max_prompts=max_prompts,
-            max_messages=max_messages, max_stream_requests=max_stream_requests,
-            max_logprob_entries=max_logprob_entries))
+            max_messages=max_messages, max_stream_requests=max_stream_requests))
     except FieldError as e:
         _fail(f"--{e.field.replace('_', '-')} {e.problem}", 2)
     try:

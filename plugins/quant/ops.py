@@ -1,5 +1,24 @@
 """The quantized linear ops: schemas, fakes (for export) and dequantize-then-matmul references.
 
+Where each op is implemented: its CPU kernel (csrc/, compiled by plugins/quant/kernels.py),
+its reference (this module, any device) and its Triton kernel (plugins/quant/triton_linear.py,
+what quant_linear() calls on CUDA; "-": none, CUDA runs F.linear or the reference):
+
+    op (kiln::)         CPU kernel (csrc/)        Python reference               Triton kernel
+    linear_fp32         linear_float.cpp          linear_fp32_reference          -
+    linear_bf16         linear_float.cpp          linear_bf16_reference          -
+    linear_int8         linear_weight_only.cpp    linear_int8_reference          linear_int8_triton
+    linear_int4         linear_weight_only.cpp    linear_int4_reference          linear_int4_triton
+    linear_fp8          linear_weight_only.cpp    linear_fp8_reference           linear_fp8_triton
+    linear_int8_a8      linear_int8_a8.cpp        linear_int8_a8_reference       -
+    linear_int4_a8      linear_int4_a8.cpp        linear_int4_a8_reference       -
+    linear_int4_rows16  linear_int4_rows16.cpp    linear_int4_rows16_reference   -
+
+Shared C++ headers: dequant_gemv.h (the decode-then-multiply GEMV and tile paths of the
+float and weight-only linears), int8_dot.h and int8_gemm.h (integer dot products and GEMM:
+W8A8 and the weight-only int8/int4 digits), int4_a8_blocks.h (the int4_a8 format's blocks:
+W4A8 and rows16).
+
     kiln::linear_int8(x, qweight int8 [N,K], scales [N], bias?)                -> [M, N]
     kiln::linear_int4(x, qweight uint8 [N,K/2], scales [N,K/G], zeros [N,K/G], G, bias?)
     kiln::linear_fp8 (x, qweight float8_e4m3fn [N,K], scales [N], bias?)       -> [M, N]
@@ -22,7 +41,7 @@ dequantize-then-matmul.
 
 x is [M, K] float32 or bfloat16; the output has x's dtype. Layouts: plugins/quant/formats.py.
 The references below are registered for CompositeExplicitAutograd (any device); the compiled
-CPU kernels (csrc/quant_linear.cpp, loaded by plugins.quant.kernels.load()) are registered
+CPU kernels (csrc/, loaded by plugins.quant.kernels.load()) are registered
 for CPU and take precedence once loaded. Both compute in float32.
 """
 from __future__ import annotations

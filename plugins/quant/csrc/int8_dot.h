@@ -1,6 +1,6 @@
 // Integer dot products of int8 weight rows with rows of int8-quantized x, shared by
-// kiln::linear_int8_a8 (linear_a8.cpp: x quantized once, W8A8) and the decode paths of the
-// weight-only kiln::linear_int8 / int4 (quant_linear.cpp: x held as three int8 digits of
+// kiln::linear_int8_a8 (linear_int8_a8.cpp: x quantized once, W8A8) and the decode paths of the
+// weight-only kiln::linear_int8 / int4 (linear_weight_only.cpp: x held as three int8 digits of
 // fixed point per row, quantize_digits below, within 2.4e-7 of max|x| of x).
 //
 // The dot products are integer (exact in int32: K * 255 * 127 < 2^31 for K < 66,000), on

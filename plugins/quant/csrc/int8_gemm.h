@@ -1,5 +1,5 @@
-// The int8 GEMM behind the batched paths of kiln::linear_int8_a8 (W8A8, linear_a8.cpp) and
-// kiln::linear_int8 (x's digits, quant_linear.cpp):
+// The int8 GEMM behind the batched paths of kiln::linear_int8_a8 (W8A8, linear_int8_a8.cpp) and
+// kiln::linear_int8 (x's digits, linear_weight_only.cpp):
 //
 //   acc[m, n] = sum_k a[m, k] * w[n, k]      a: [M, K] int8, w: [N, K] int8 (row-major),
 //                                            acc: [M, N] int32 (exact: K * 128 * 128 < 2^31)

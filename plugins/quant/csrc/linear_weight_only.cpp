@@ -1,48 +1,14 @@
-// CPU kernels for kiln::linear_int8 / int4 / fp8 / bf16 / fp32 (schemas: plugins/quant/ops.py,
-// layouts: plugins/quant/formats.py). Registered for the CPU key, so they override the
-// dequantize-then-matmul references once this library is loaded.
-//
-// Paths, all parallel over output channels (at::parallel_for; kiln::parallel_chunks at one
-// row of x):
-//   small M (decode, memory-bound): a GEMV that streams the packed weights once and
-//     dequantizes 32 weights at a time in AVX2 registers, reused for up to 4 rows of x
-//     (at one row of x, four weight rows at a time: gemv_row_group);
-//     with AVX-512 VNNI, int8 (1-2 rows) and int4 (1-7 rows) decode in integers instead:
-//     x as three int8 digits of fixed point against the codes on vpdpbusd (int8_dot.h);
-//   large M (prefill / big batches, compute-bound): dequantize a tile of weight rows into
-//     an fp32 scratch buffer that stays in L2, then at::mm on the tile (single-threaded
-//     inside the parallel region).
-// Without AVX2 the decoders fall back to scalar code (same results up to summation order).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+// CPU kernels of the weight-only quantized linears kiln::linear_int8 / int4 / fp8 (schemas
+// and references: plugins/quant/ops.py, layouts: plugins/quant/formats.py): x stays float,
+// the weights are decoded on the fly (dequant_gemv.h's GEMV and tile paths) or, on AVX-512
+// VNNI, multiplied in integers against x held as int8 digits (below). Registered for the CPU
+// key, so they override the dequantize-then-matmul references once this library is loaded.
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdint>
+#include <vector>
 
-#include "../../csrc/parallel.h"
-#include "../../csrc/prefetch.h"
-#include "int8_dot.h"   // before the path macros below: they read KILN_INT8_DOT_VNNI
-#include "int8_gemm.h"
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define KILN_QUANT_AVX2 1
-#if KILN_INT8_GEMM_AMX
-#define KILN_QUANT_PATH                                                                     \
-  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits, int8 from " \
-  "8 rows on amx tiles"
-#elif KILN_INT8_DOT_VNNI
-#define KILN_QUANT_PATH \
-  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"
-#else
-#define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders"
-#endif
-#else
-#define KILN_QUANT_AVX2 0
-#define KILN_QUANT_PATH "scalar decoders"
-#endif
+#include "dequant_gemv.h"
 
 // The code path these flags selected, read from the library's bytes by the builder
 // (plugins/cpp_build.kernel_path): a vector ISA level that compiles to "scalar" fails the build.
@@ -51,24 +17,7 @@ const char kiln_quant_kernel_path[] = "KILN_KERNEL_PATH:" KILN_QUANT_PATH;
 
 namespace {
 
-constexpr int64_t kBlock = 32;     // weights decoded per step
-// The GEMV's weights are also prefetched into L1 kGemvNear bytes ahead, on top of the far L2
-// prefetch (plugins/csrc/prefetch.h): the fp32 plan's batch-1 step (519 MiB, never in cache),
-// 4 alternating pairs on an Intel Xeon (AMX, 2 threads): 30.9 -> 27.6 ms right after a 1 GiB
-// read, 29.0 -> 24.0 back to back (12 KiB ahead: the same).
-constexpr int64_t kGemvNear = 4096;
-constexpr int64_t kTileMinM = 8;   // rows of x from which the dequantize-tile path is used
-constexpr int64_t kMaxRows = 4;    // rows of x sharing one decoded weight vector (GEMV)
-
-#if KILN_QUANT_AVX2
-using vec = __m256;
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+using namespace kiln_gemv;
 
 // ---- decoders: 32 weights of row n from k (k % 32 == 0), before the per-row scale ----
 
@@ -123,49 +72,6 @@ struct Fp8Dec {
   }
 };
 
-// bf16 -> float32 by bits: the 16 bits become the high half of a float32.
-struct Bf16Dec {
-  const uint16_t* q;
-  int64_t K;
-  static constexpr int64_t kBlockBytes = 2 * kBlock;
-  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
-  float row_scale(int64_t) const { return 1.0f; }
-  float tail(int64_t n, int64_t k) const {
-    return float(c10::BFloat16(q[n * K + k], c10::BFloat16::from_bits()));
-  }
-#if KILN_QUANT_AVX2
-  inline void decode(int64_t n, int64_t k, vec w[4]) const {
-    const uint16_t* p = q + n * K + k;
-    for (int j = 0; j < 4; ++j)
-      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j))), 16));
-  }
-#endif
-  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
-    for (int j = 0; j < kBlock; ++j) w[j] = tail(n, k + j);
-  }
-};
-
-// fp32: nothing to decode; the GEMV streams the weights at the machine's read bandwidth (MKL's
-// sgemv reached about half of it on SmolLM2's shapes), large M goes to at::linear.
-struct F32Dec {
-  const float* q;
-  int64_t K;
-  static constexpr int64_t kBlockBytes = 4 * kBlock;
-  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
-  float row_scale(int64_t) const { return 1.0f; }
-  float tail(int64_t n, int64_t k) const { return q[n * K + k]; }
-#if KILN_QUANT_AVX2
-  inline void decode(int64_t n, int64_t k, vec w[4]) const {
-    const float* p = q + n * K + k;
-    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(p + 8 * j);
-  }
-#endif
-  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
-    for (int j = 0; j < kBlock; ++j) w[j] = q[n * K + k + j];
-  }
-};
-
 // int4: 16 bytes per 32 weights, byte j = q[j] | q[16 + j] << 4; w = q * s + m, m = -z * s.
 struct Int4Dec {
   const uint8_t* q;
@@ -202,241 +108,6 @@ struct Int4Dec {
     }
   }
 };
-
-// ---- GEMV: out[r, n] = row_scale(n) * sum_k w[n, k] x[r, k] (+ bias[n]), r < R ----
-
-// Output n for one row of x from its sum over the first K32 weights: the K % 32 tail, the
-// weight row's scale and the bias.
-template <class Dec>
-inline float finish_row(const Dec& d, const float* x, int64_t K32, int64_t K, int64_t n,
-                        float sum, const float* bias) {
-  for (int64_t k = K32; k < K; ++k) sum += d.tail(n, k) * x[k];
-  return sum * d.row_scale(n) + (bias ? bias[n] : 0.0f);
-}
-
-#if KILN_QUANT_AVX2
-// Each line of the weights of row n's block at k, once: 64 KiB ahead into L2, kGemvNear
-// ahead into L1.
-template <class Dec>
-inline void prefetch_block(const Dec& d, int64_t n, int64_t k) {
-  const char* p = d.at(n, k);
-  if (Dec::kBlockBytes >= 64 || (reinterpret_cast<uintptr_t>(p) & 63) < Dec::kBlockBytes)
-    for (int64_t b = 0; b < Dec::kBlockBytes; b += 64) {
-      kiln::prefetch_far(p + b);
-      _mm_prefetch(p + b + kGemvNear, _MM_HINT_T0);
-    }
-}
-
-// One row of x against weight rows n .. n + 3 (decode at batch 1): each row's decoded
-// weights go straight into two FMA chains of its own, x is loaded once for the four rows,
-// and one horizontal reduction gives the four sums. gemv_rows<1> on one weight row at a time
-// ran compute-bound at 3.3 int8 weights a cycle on an Intel Xeon core (AVX2 code, SmolLM2's
-// shapes, weights in cache, one thread: its hsum and loop set-up per 576-weight row, x loaded
-// again per row); this at 5.1-5.7 (eight rows with one chain each: 4.5-5.1). The AVX2 int8
-// plan's batch-1 step: 6.59 -> 4.88 ms back to back, 8.25 -> 7.05 after a 1 GiB read.
-constexpr int64_t kRowGroup = 4;
-
-template <class Dec>
-inline void gemv_row_group(const Dec& d, const float* x, int64_t K, int64_t n, const float* bias,
-                           float* out) {
-  const int64_t K32 = K - K % kBlock;
-  vec acc[kRowGroup][2];
-  for (int i = 0; i < kRowGroup; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K32; k += kBlock) {
-    for (int i = 0; i < kRowGroup; ++i) prefetch_block(d, n + i, k);
-    vec xv[4];
-    for (int j = 0; j < 4; ++j) xv[j] = _mm256_loadu_ps(x + k + 8 * j);
-    for (int i = 0; i < kRowGroup; ++i) {
-      vec w[4];
-      d.decode(n + i, k, w);
-      for (int j = 0; j < 4; ++j) acc[i][j & 1] = _mm256_fmadd_ps(w[j], xv[j], acc[i][j & 1]);
-    }
-  }
-  // [s0 s1 s2 s3] from the four rows' 8-lane sums: two rounds of pairwise adds, then the lanes
-  const __m256 h01 = _mm256_hadd_ps(_mm256_add_ps(acc[0][0], acc[0][1]),
-                                    _mm256_add_ps(acc[1][0], acc[1][1]));
-  const __m256 h23 = _mm256_hadd_ps(_mm256_add_ps(acc[2][0], acc[2][1]),
-                                    _mm256_add_ps(acc[3][0], acc[3][1]));
-  const __m256 h = _mm256_hadd_ps(h01, h23);
-  float sums[kRowGroup];
-  _mm_storeu_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  for (int i = 0; i < kRowGroup; ++i) out[n + i] = finish_row(d, x, K32, K, n + i, sums[i], bias);
-}
-#endif
-
-template <int R, class Dec>
-inline void gemv_rows(const Dec& d, const float* x, int64_t K, int64_t n, const float* bias,
-                      float* out, int64_t ldo) {
-  const int64_t K32 = K - K % kBlock;
-  float sums[R];
-#if KILN_QUANT_AVX2
-  constexpr int NA = R == 1 ? 4 : 2;  // independent FMA chains per row of x
-  vec acc[R][NA];
-  for (int r = 0; r < R; ++r)
-    for (int a = 0; a < NA; ++a) acc[r][a] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K32; k += kBlock) {
-    prefetch_block(d, n, k);
-    vec w[4];
-    d.decode(n, k, w);
-    for (int j = 0; j < 4; ++j)
-      for (int r = 0; r < R; ++r)
-        acc[r][j % NA] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + r * K + k + 8 * j),
-                                         acc[r][j % NA]);
-  }
-  for (int r = 0; r < R; ++r) {
-    vec a = acc[r][0];
-    for (int i = 1; i < NA; ++i) a = _mm256_add_ps(a, acc[r][i]);
-    sums[r] = hsum(a);
-  }
-#else
-  for (int r = 0; r < R; ++r) sums[r] = 0.0f;
-  float w[kBlock];
-  for (int64_t k = 0; k < K32; k += kBlock) {
-    d.decode_scalar(n, k, w);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < kBlock; ++j) sums[r] += w[j] * x[r * K + k + j];
-  }
-#endif
-  for (int r = 0; r < R; ++r) out[r * ldo + n] = finish_row(d, x + r * K, K32, K, n, sums[r], bias);
-}
-
-template <class Dec>
-void gemv(const Dec& d, const float* x, int64_t M, int64_t K, int64_t N, const float* bias,
-          float* out) {
-#if KILN_QUANT_AVX2
-  if (M == 1) {    // groups of kRowGroup weight rows; a last N % kRowGroup one at a time
-    // chunks of ~16 KiB of weights, at least 4 a thread (plugins/csrc/parallel.h: a thread
-    // preempted by the server's other threads leaves its chunks to the rest)
-    const int64_t groups = (N + kRowGroup - 1) / kRowGroup;
-    const int64_t group_bytes = kRowGroup * (K / kBlock) * Dec::kBlockBytes;
-    kiln::parallel_chunks(groups, kiln::chunk_items(groups, group_bytes, 16 << 10),
-                          [&](int64_t g0, int64_t g1) {
-      for (int64_t n = g0 * kRowGroup; n < std::min(N, g1 * kRowGroup); n += kRowGroup) {
-        if (n + kRowGroup <= N)
-          gemv_row_group(d, x, K, n, bias, out);
-        else
-          for (int64_t r = n; r < N; ++r) gemv_rows<1>(d, x, K, r, bias, out, N);
-      }
-    });
-    return;
-  }
-#endif
-  const int64_t grain = std::max<int64_t>(8, 32768 / std::max<int64_t>(K, 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t r = 0; r < M; r += kMaxRows) {
-        const float* xr = x + r * K;
-        float* o = out + r * N;
-        switch (std::min<int64_t>(kMaxRows, M - r)) {
-          case 4: gemv_rows<4>(d, xr, K, n, bias, o, N); break;
-          case 3: gemv_rows<3>(d, xr, K, n, bias, o, N); break;
-          case 2: gemv_rows<2>(d, xr, K, n, bias, o, N); break;
-          default: gemv_rows<1>(d, xr, K, n, bias, o, N); break;
-        }
-      }
-    }
-  });
-}
-
-// ---- tile path: dequantize rows [n0, n0 + nt) to fp32, then at::mm ----
-
-template <class Dec>
-void dequant_rows(const Dec& d, int64_t K, int64_t n0, int64_t nt, float* dst) {
-  const int64_t K32 = K - K % kBlock;
-  for (int64_t i = 0; i < nt; ++i) {
-    const int64_t n = n0 + i;
-    float* row = dst + i * K;
-    const float rs = d.row_scale(n);
-#if KILN_QUANT_AVX2
-    const vec vs = _mm256_set1_ps(rs);
-    for (int64_t k = 0; k < K32; k += kBlock) {
-      vec w[4];
-      d.decode(n, k, w);
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(row + k + 8 * j, _mm256_mul_ps(w[j], vs));
-    }
-#else
-    for (int64_t k = 0; k < K32; k += kBlock) {
-      d.decode_scalar(n, k, row + k);
-      for (int j = 0; j < kBlock; ++j) row[k + j] *= rs;
-    }
-#endif
-    for (int64_t k = K32; k < K; ++k) row[k] = d.tail(n, k) * rs;
-  }
-}
-
-template <class Dec>
-void tiled(const Dec& d, const at::Tensor& x, int64_t K, int64_t N, const float* bias,
-           at::Tensor& out) {
-  const int64_t M = x.size(0);
-  // A tile of about 192 KiB of fp32 weights: stays in L2 while at::mm reads it.
-  const int64_t nt_max = std::max<int64_t>(16, (49152 / std::max<int64_t>(K, 1)) / 16 * 16);
-  const int64_t ntiles = (N + nt_max - 1) / nt_max;
-  at::parallel_for(0, ntiles, 1, [&](int64_t t0, int64_t t1) {
-    at::Tensor wbuf = at::empty({nt_max, K}, x.options());
-    at::Tensor obuf = at::empty({M * nt_max}, x.options());
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * nt_max, nt = std::min(nt_max, N - n0);
-      dequant_rows(d, K, n0, nt, wbuf.data_ptr<float>());
-      at::Tensor o = obuf.narrow(0, 0, M * nt).view({M, nt});  // contiguous [M, nt]
-      at::mm_out(o, x, wbuf.narrow(0, 0, nt).t());
-      const float* op = obuf.data_ptr<float>();
-      float* dst = out.data_ptr<float>();
-      for (int64_t r = 0; r < M; ++r)
-        for (int64_t i = 0; i < nt; ++i)
-          dst[r * N + n0 + i] = op[r * nt + i] + (bias ? bias[n0 + i] : 0.0f);
-    }
-  });
-}
-
-// ---- op entry points ----
-
-struct Prepared {
-  at::Tensor x;     // [M, K] float32 contiguous
-  at::Tensor out;   // [M, N] float32
-  at::Tensor bias;  // [N] float32 contiguous, or undefined
-
-  // What the op returns: out in the dtype of the caller's x.
-  at::Tensor result(const at::Tensor& x_in) const {
-    return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
-  }
-};
-
-Prepared prepare(const at::Tensor& x, int64_t N, int64_t K, const c10::optional<at::Tensor>& bias,
-                 const char* op) {
-  TORCH_CHECK(x.dim() == 2, op, ": x must be [M, K], got ", x.sizes());
-  TORCH_CHECK(x.size(1) == K, op, ": x has K=", x.size(1), " but the weight has K=", K);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16, got ", x.scalar_type());
-  Prepared p;
-  p.x = x.to(at::kFloat).contiguous();
-  p.out = at::empty({x.size(0), N}, p.x.options());
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, op, ": bias has ", bias->numel(), " elements, expected ", N);
-    p.bias = bias->to(at::kFloat).contiguous();
-  }
-  return p;
-}
-
-template <class Dec>
-at::Tensor run(const Dec& d, const at::Tensor& x, int64_t N, int64_t K,
-               const c10::optional<at::Tensor>& bias, const char* op) {
-  Prepared p = prepare(x, N, K, bias, op);
-  const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
-  const int64_t M = p.x.size(0);
-  if (M > 0 && N > 0) {
-    if (M >= kTileMinM)
-      tiled(d, p.x, K, N, b, p.out);
-    else
-      gemv(d, p.x.data_ptr<float>(), M, K, N, b, p.out.data_ptr<float>());
-  }
-  return p.result(x);
-}
-
-void check_rows(const at::Tensor& t, int64_t N, const char* name, const char* op) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), op, ": ", name,
-              " must be contiguous float32");
-  TORCH_CHECK(t.size(0) == N, op, ": ", name, " has ", t.size(0), " rows, expected ", N);
-}
 
 #if KILN_INT8_DOT_VNNI
 // Decode rows of linear_int8 in integers: each row of x as three int8 digits (int8_dot.h's
@@ -521,34 +192,6 @@ at::Tensor linear_fp8(const at::Tensor& x, const at::Tensor& qweight, const at::
   const int64_t N = qweight.size(0), K = qweight.size(1);
   check_rows(scales, N, "scales", op);
   Fp8Dec d{static_cast<const uint8_t*>(qweight.data_ptr()), K, scales.data_ptr<float>()};
-  return run(d, x, N, K, bias, op);
-}
-
-at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias) {
-  const char* op = "kiln::linear_fp32";
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
-              op, ": weight must be contiguous float32 [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
-    Prepared p = prepare(x, N, K, bias, op);
-    if (p.bias.defined())
-      at::addmm_out(p.out, p.bias, p.x, weight.t());
-    else
-      at::mm_out(p.out, p.x, weight.t());
-    return p.result(x);
-  }
-  F32Dec d{weight.data_ptr<float>(), K};
-  return run(d, x, N, K, bias, op);
-}
-
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
-                       const c10::optional<at::Tensor>& bias) {
-  const char* op = "kiln::linear_bf16";
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
-              op, ": weight must be contiguous bfloat16 [N, K]");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  Bf16Dec d{static_cast<const uint16_t*>(weight.data_ptr()), K};
   return run(d, x, N, K, bias, op);
 }
 
@@ -677,8 +320,6 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_int8", &linear_int8);
   m.impl("linear_int4", &linear_int4);
   m.impl("linear_fp8", &linear_fp8);
-  m.impl("linear_bf16", &linear_bf16);
-  m.impl("linear_fp32", &linear_fp32);
 }
 
 
@@ -687,8 +328,6 @@ TORCH_LIBRARY_IMPL(kiln, CPU, m) {
 
 KILN_LINEAR_SHIM_2(linear_int8)
 KILN_LINEAR_SHIM_2(linear_fp8)
-KILN_LINEAR_SHIM_1(linear_bf16)
-KILN_LINEAR_SHIM_1(linear_fp32)
 
 KILN_AOTI_SHIM aoti_torch_cpu_linear_int4(AtenTensorHandle x, AtenTensorHandle qweight,
                                           AtenTensorHandle scales, AtenTensorHandle zeros,

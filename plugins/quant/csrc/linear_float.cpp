@@ -1,0 +1,95 @@
+// CPU kernels of kiln::linear_fp32 and kiln::linear_bf16, the linears of float weights
+// (schemas and references: plugins/quant/ops.py). Registered for the CPU key, so they override
+// the references once this library is loaded. Their GEMV and tile paths: dequant_gemv.h.
+#include <torch/library.h>
+
+#include "dequant_gemv.h"
+
+namespace {
+
+using namespace kiln_gemv;
+
+// bf16 -> float32 by bits: the 16 bits become the high half of a float32.
+struct Bf16Dec {
+  const uint16_t* q;
+  int64_t K;
+  static constexpr int64_t kBlockBytes = 2 * kBlock;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
+  float row_scale(int64_t) const { return 1.0f; }
+  float tail(int64_t n, int64_t k) const {
+    return float(c10::BFloat16(q[n * K + k], c10::BFloat16::from_bits()));
+  }
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const uint16_t* p = q + n * K + k;
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j))), 16));
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    for (int j = 0; j < kBlock; ++j) w[j] = tail(n, k + j);
+  }
+};
+
+// fp32: nothing to decode; the GEMV streams the weights at the machine's read bandwidth (MKL's
+// sgemv reached about half of it on SmolLM2's shapes), large M goes to at::linear.
+struct F32Dec {
+  const float* q;
+  int64_t K;
+  static constexpr int64_t kBlockBytes = 4 * kBlock;
+  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
+  float row_scale(int64_t) const { return 1.0f; }
+  float tail(int64_t n, int64_t k) const { return q[n * K + k]; }
+#if KILN_QUANT_AVX2
+  inline void decode(int64_t n, int64_t k, vec w[4]) const {
+    const float* p = q + n * K + k;
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(p + 8 * j);
+  }
+#endif
+  inline void decode_scalar(int64_t n, int64_t k, float* w) const {
+    for (int j = 0; j < kBlock; ++j) w[j] = q[n * K + k + j];
+  }
+};
+
+at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_fp32";
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
+              op, ": weight must be contiguous float32 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
+    Prepared p = prepare(x, N, K, bias, op);
+    if (p.bias.defined())
+      at::addmm_out(p.out, p.bias, p.x, weight.t());
+    else
+      at::mm_out(p.out, p.x, weight.t());
+    return p.result(x);
+  }
+  F32Dec d{weight.data_ptr<float>(), K};
+  return run(d, x, N, K, bias, op);
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  const char* op = "kiln::linear_bf16";
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.is_contiguous(),
+              op, ": weight must be contiguous bfloat16 [N, K]");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  Bf16Dec d{static_cast<const uint16_t*>(weight.data_ptr()), K};
+  return run(d, x, N, K, bias, op);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_fp32", &linear_fp32);
+}
+
+
+// ---- AOTInductor C shims (plugins/csrc/aoti_shim.h) ------------------------------------------
+#include "../../csrc/aoti_shim.h"
+
+KILN_LINEAR_SHIM_1(linear_bf16)
+KILN_LINEAR_SHIM_1(linear_fp32)

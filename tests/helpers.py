@@ -247,7 +247,7 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 2e-5
     if scheme == "int4_a8" and x.dtype == torch.float32 and x.shape[-1] % 32 == 0:
         # weight-only: each group of 32 of x is held as two int8 digits, at most
-        # max|x of the group| / (2 * 127 * 128) off each element (linear_int4_a8.cpp)
+        # max|x of the group| / (2 * 127 * 128) off each element (linear_int4_rows16.cpp)
         bound = rows16_digits_bound(x, qw)
         excess = (out.double() - ref.double()).abs() - bound - tol * scale
         assert (excess <= 0).all(), (f"int4_a8 x{tuple(x.shape)} w{tuple(w.shape)}: "

@@ -167,6 +167,15 @@ def serve(
     max_stream_requests: int = typer.Option(
         64, "--max-stream-requests", help="requests in flight per KServe ModelStreamInfer "
                                           "stream; more are not read until one ends"),
+    max_guided_bytes: int = typer.Option(256 * 2**10, help="one output constraint's text"),
+    max_guided_choices: int = typer.Option(256, help="guided_choice entries per request"),
+    max_tools: int = typer.Option(128, help="OpenAI tools per request"),
+    guided_compile_threads: int = typer.Option(2, help="threads compiling constraints"),
+    guided_max_compiles_waiting: int = typer.Option(64, help="compiles queued; more: retry"),
+    guided_compile_timeout_s: float = typer.Option(10.0, "--guided-compile-timeout",
+                                                   help="a compile's deadline, seconds"),
+    guided_cache_bytes: int = typer.Option(512 * 2**20, help="compiled constraints kept"),
+    guided_step_budget_ms: float = typer.Option(50.0, help="mask time per engine step"),
     threads: Optional[int] = typer.Option(
         None, "--threads", min=1, help="compute threads of the engine (default: "
         "OMP_NUM_THREADS, else this process's cores); every other thread computes "
@@ -180,29 +189,44 @@ def serve(
     from kiln.runtime.compute import claim_process
 
     threads = claim_process(threads)   # before torch is imported
-    from kiln.contracts import FieldError
-    from kiln.runtime.server.app import ServeConfig, ServeError, run
-    from kiln.runtime.server.limits import RequestLimits
+    from kiln.runtime.server.app import ServeError, run
 
-    cfg = ServeConfig(plan=plan, host=host, port=port, metrics_port=metrics_port,
-                      model_name=model_name, max_batch_size=max_batch_size,
-                      max_num_tokens=max_num_tokens, max_queue=max_queue,
-                      drain_seconds=drain_seconds, tls_cert=tls_cert, tls_key=tls_key,
-                      auth_token=_auth_token(auth_token, auth_token_file), http_port=http_port,
-                      metrics_host=metrics_host, metrics_auth=metrics_auth, threads=threads,
-                      expect_digest=expect_digest)
-    try:
-        cfg = dataclasses.replace(cfg, limits=RequestLimits(
-            max_request_bytes=max_request_bytes, max_prompt_bytes=max_prompt_bytes,
-            max_stop=max_stop, max_bad_words=max_bad_words, max_prompts=max_prompts,
-            max_messages=max_messages, max_stream_requests=max_stream_requests))
-    except FieldError as e:
-        _fail(f"--{e.field.replace('_', '-')} {e.problem}", 2)
+    cfg = _serve_config(dict(locals()))
     try:
         code = run(cfg)
     except ServeError as e:
         _fail(str(e), 2)
     raise typer.Exit(code)
+
+
+def _serve_config(a: dict):
+    """The ServeConfig of `kiln serve`'s arguments; a bad cap exits 2 naming its flag."""
+    from kiln.contracts import FieldError
+    from kiln.runtime.guided import GuidedLimits
+    from kiln.runtime.server.app import ServeConfig
+    from kiln.runtime.server.limits import RequestLimits
+
+    cfg = ServeConfig(plan=a["plan"], host=a["host"], port=a["port"],
+                      metrics_port=a["metrics_port"], model_name=a["model_name"],
+                      max_batch_size=a["max_batch_size"], max_num_tokens=a["max_num_tokens"],
+                      max_queue=a["max_queue"], drain_seconds=a["drain_seconds"],
+                      tls_cert=a["tls_cert"], tls_key=a["tls_key"],
+                      auth_token=_auth_token(a["auth_token"], a["auth_token_file"]),
+                      http_port=a["http_port"], metrics_host=a["metrics_host"],
+                      metrics_auth=a["metrics_auth"], threads=a["threads"],
+                      expect_digest=a["expect_digest"])
+    try:   # the caps: each flag is its field's name (guided: --guided-NAME)
+        cfg = dataclasses.replace(cfg, limits=RequestLimits(**{
+            f.name: a[f.name] for f in dataclasses.fields(RequestLimits) if f.name in a}))
+    except FieldError as e:
+        _fail(f"--{e.field.replace('_', '-')} {e.problem}", 2)
+    try:
+        cfg = dataclasses.replace(cfg, guided=GuidedLimits(**{
+            f.name: a["guided_" + f.name] for f in dataclasses.fields(GuidedLimits)
+            if "guided_" + f.name in a}))
+    except FieldError as e:
+        _fail(f"--guided-{e.field.removesuffix('_s').replace('_', '-')} {e.problem}", 2)
+    return cfg
 
 
 @app.command()

@@ -18,6 +18,7 @@ import itertools
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
@@ -27,7 +28,8 @@ from kiln.plugins.inflight_batching import (RequestRefused, Scheduler, Scheduler
                                        SchedulerOutput, SequenceStatus, StepOutput, TokenSequence)
 from kiln.runtime.compute import enter_engine_thread
 from kiln.runtime.executor import Executor
-from kiln.runtime.guided import GrammarCache
+from kiln.runtime.guided import (CompileBusy, GrammarCache, Guide, GuidedDecoding,
+                                 GuidedLimits, Masker)
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.plan import Plan, load_plan
 from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
@@ -123,9 +125,11 @@ class Engine:
 
     def __init__(self, executor: Executor, tokenizer: Tokenizer, config: EngineConfig,
                  start: bool = True, vocab_size: Optional[int] = None,
-                 num_threads: Optional[int] = None):
+                 num_threads: Optional[int] = None,
+                 guided_limits: Optional[GuidedLimits] = None):
         """vocab_size: the model's (the logits' width; default the tokenizer's). num_threads:
-        the engine thread's compute threads (runtime/compute.py; default: torch's)."""
+        the engine thread's compute threads (runtime/compute.py; default: torch's).
+        guided_limits: what output constraints may cost (runtime/guided.py)."""
         self.num_threads = num_threads
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
@@ -142,6 +146,7 @@ class Engine:
         self._ids = itertools.count()
         self._closed = False
         self.vocab_size = vocab_size or tokenizer.vocab_size
+        self.guided_limits = guided_limits or GuidedLimits()
         self._grammar_cache: Optional[GrammarCache] = None
         self._grammar_lock = threading.Lock()
         self.failure: Optional[str] = None      # why the engine loop died (None: it did not)
@@ -164,13 +169,13 @@ class Engine:
     @classmethod
     def from_plan(cls, plan: Union[str, Path, Plan], kv_budget_bytes: Optional[int] = None,
                   start: bool = True, num_threads: Optional[int] = None,
-                  **overrides) -> "Engine":
+                  guided_limits: Optional[GuidedLimits] = None, **overrides) -> "Engine":
         """Load a built plan. `overrides`: EngineConfig fields; limits only lowered."""
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
         return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
                    config, start=start, vocab_size=plan.shape.vocab_size,
-                   num_threads=num_threads)
+                   num_threads=num_threads, guided_limits=guided_limits)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -280,9 +285,12 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None,
-               request_id: Optional[str] = None) -> RequestStream:
+               request_id: Optional[str] = None, guide: Optional[Guide] = None
+               ) -> RequestStream:
         """Queue a request -> its stream. Raises RequestRefused (a ValueError) for a request
-        that can never fit, QueueFullError when the waiting queue is full."""
+        that can never fit, QueueFullError when the waiting queue (or the queue of constraints
+        to compile) is full. guide: params.guided compiled already (compile_guided); else it
+        is compiled here, waiting at most the compile deadline."""
         params = params or SamplingParams()
         for name in ("stop_token_ids", "bad_token_ids"):
             bad = [t for t in getattr(params, name) if t >= self.vocab_size]
@@ -307,9 +315,11 @@ class Engine:
                 raise RequestRefused("min_tokens cannot be combined with an output constraint: "
                                      "the constraint decides where the output ends")
             try:
-                state.guide = self._grammars().guide(params.guided)
+                state.guide = guide or self._grammars().guide(params.guided)
             except ValueError as e:
                 raise RequestRefused(str(e)) from None
+            except CompileBusy as e:
+                raise QueueFullError(str(e)) from None
         with self._cv:
             if self._closed:
                 raise EngineError(f"the engine failed ({self.failure})" if self.failure
@@ -331,26 +341,49 @@ class Engine:
         return stream
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, each checked against the model's and the tokenizer's
+        vocabularies (a tokenizer may hold ids the model has no embedding for)."""
+        vocab = min(self.vocab_size, self.tokenizer.vocab_size)
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids, what = self.tokenizer.encode(prompt), "the prompt's text tokenizes to"
         elif len(prompt) and isinstance(prompt[0], dict):
             ids = self.tokenizer.apply_chat_template(list(prompt), tokenize=True)
+            what = "the rendered chat tokenizes to"
         else:
-            ids = [int(t) for t in prompt]
-            vocab = min(self.vocab_size, self.tokenizer.vocab_size)
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestRefused(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            ids, what = [int(t) for t in prompt], "the prompt has"
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRefused(f"{what} token id {bad}, outside the vocabulary [0, {vocab}) "
+                                 f"(the model has {self.vocab_size} ids, the tokenizer "
+                                 f"{self.tokenizer.vocab_size})")
         return ids
 
+    def compile_guided(self, guided: GuidedDecoding) -> "Future[Guide]":
+        """Start compiling a constraint -> the future Guide to pass to submit() (ValueError:
+        it does not compile). Cancelling the future withdraws the compile. Raises
+        QueueFullError when too many compiles wait already."""
+        try:
+            return self._grammars().submit(guided)
+        except CompileBusy as e:
+            raise QueueFullError(str(e)) from None
+
+    def compile_timeout(self, guided: GuidedDecoding) -> ValueError:
+        """The error of a compile that ran past its deadline."""
+        return self._grammars().timeout(guided)
+
     def _grammars(self) -> GrammarCache:
-        """The compiler of constraints over this tokenizer, made by the first that needs it."""
+        """The compiler of constraints over this tokenizer (and the masker of its matchers),
+        made by the first that needs it. Masks span the larger of the two vocabularies; the
+        sampler cuts them to the logits' width."""
         with self._grammar_lock:
             if self._grammar_cache is None:
                 tok = self.tokenizer
+                vocab = max(self.vocab_size, tok.vocab_size)
+                self.model_runner.masker = Masker(vocab, self.config.max_batch_size,
+                                                  self.guided_limits)
                 self._grammar_cache = GrammarCache(
                     tok.to_json(), tok.eos_token_ids[0] if tok.eos_token_ids else None,
-                    max(self.vocab_size, tok.vocab_size))
+                    vocab, self.guided_limits)
             return self._grammar_cache
 
     def _abort(self, request_id: str) -> None:
@@ -447,6 +480,9 @@ class Engine:
         with self._cv:
             self._closed = True
             self._cv.notify()
+        with self._grammar_lock:
+            if self._grammar_cache is not None:
+                self._grammar_cache.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():   # a hung step: end the streams, leave the thread

@@ -62,11 +62,18 @@ class ModelRunner:
         logits = self.executor.execute(batch)                        # [B, vocab]
         rows = [i for i, s in enumerate(out.sample) if s]
         sampled: list[Optional[int]] = [None] * len(out.seqs)
+        errors: dict[str, str] = {}
         if rows:
             seqs = [out.seqs[i] for i in rows]
+            guided, skip = self._masks(seqs, logits.shape[1], errors)
+            if skip:     # no token this step: a failed constraint, or a mask left for the next
+                keep = [j for j in range(len(seqs)) if j not in skip]
+                at = {j: k for k, j in enumerate(keep)}
+                rows, seqs = [rows[j] for j in keep], [seqs[j] for j in keep]
+                if guided is not None:
+                    guided = ([at[j] for j in guided[0]], guided[1])
+        if rows:
             rl = logits[rows] if len(rows) < len(out.seqs) else logits
-            errors: dict[str, str] = {}
-            guided = self._masks(seqs, rl.shape[1])
             try:
                 toks = self.sampler(rl, [s.sampling for s in seqs], [s.token_ids for s in seqs],
                                     [s.num_prompt_tokens for s in seqs], guided)
@@ -83,19 +90,29 @@ class ModelRunner:
                                             [seqs[j].sampling.params.logprobs for j in asked])
                 return SampledOutput(sampled, {seqs[j].request_id: lp
                                                for j, lp in zip(asked, lps)}, errors)
-            return SampledOutput(sampled, {}, errors)
-        return SampledOutput(sampled)
+        return SampledOutput(sampled, {}, errors)
 
-    def _masks(self, seqs: list[TokenSequence], vocab: int
-               ) -> Optional[tuple[list[int], torch.Tensor]]:
-        """(rows, bitmask) of the constrained requests among seqs; None when there are none
-        (unconstrained requests pay nothing)."""
+    def _masks(self, seqs: list[TokenSequence], vocab: int, errors: dict[str, str]
+               ) -> tuple[Optional[tuple[list[int], torch.Tensor]], set[int]]:
+        """-> ((rows, bitmask) of the constrained requests among seqs that sample this step,
+        or None; the rows that get no token this step). A row whose mask the step's budget left
+        out waits (the scheduler computes its last token again); a constraint that failed
+        (a limit hit, no token allowed) goes into errors. Unconstrained requests pay nothing."""
         rows = [j for j, s in enumerate(seqs) if s.sampling.guide is not None]
         if not rows:
-            return None
-        if self.masker is None or self.masker.vocab_size != vocab:
+            return None, set()
+        if self.masker is None:
             self.masker = Masker(vocab, len(seqs))
-        return rows, self.masker.fill([seqs[j].sampling.guide for j in rows])
+        guides = [seqs[j].sampling.guide for j in rows]
+        bitmask, filled = self.masker.fill_step(guides, vocab)
+        live = [k for k in filled if guides[k].error is None]
+        for k in set(filled).difference(live):
+            errors[seqs[rows[k]].request_id] = guides[k].error
+        skip = set(rows).difference(rows[k] for k in live)
+        if not live:
+            return None, skip
+        return ([rows[k] for k in live], bitmask[live] if len(live) < len(rows) else bitmask), \
+            skip
 
     @staticmethod
     def _advance(seqs: list[TokenSequence], rows: list[int], toks: list[Optional[int]],

@@ -61,4 +61,5 @@ def tiny_engine(num_blocks: int = 256, tokens_per_block: int = 4, model: LlamaMo
     defaults = dict(max_batch_size=16, max_num_tokens=64, max_seq_len=256,
                     tokens_per_block=tokens_per_block)
     defaults.update(config)
-    return Engine(executor, byte_tokenizer(), EngineConfig(**defaults), start=start)
+    return Engine(executor, byte_tokenizer(), EngineConfig(**defaults), start=start,
+                  vocab_size=cfg.vocab_size)

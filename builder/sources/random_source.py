@@ -38,6 +38,7 @@ def open_random(arch, seed: int, tokenizer: Optional[str] = None) -> Checkpoint:
             tokenizer_json = Path(tokenizer).read_text(encoding="utf-8")
         except OSError as e:
             raise CheckpointError(f"{tokenizer}: cannot read tokenizer: {e.strerror}") from None
+        _check_vocab(tokenizer, tokenizer_json, config.vocab_size)
     else:
         tokenizer_json = byte_level(config.vocab_size, arch.bos_token_id, arch.eos_token_id)
     generation = {"bos_token_id": arch.bos_token_id, "eos_token_ids": [arch.eos_token_id],
@@ -60,3 +61,19 @@ def open_random(arch, seed: int, tokenizer: Optional[str] = None) -> Checkpoint:
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=hashlib.sha256(key.encode()).hexdigest(),
                       source_desc=f"random seed {seed}", _stream=stream)
+
+
+def _check_vocab(path: str, tokenizer_json: str, vocab_size: int) -> None:
+    """The tokenizer must not hold token ids the model has no embedding (or logit) for: text
+    that tokenizes to one could not run, and output constraints mask over all its ids."""
+    from tokenizers import Tokenizer
+    try:
+        tok = Tokenizer.from_str(tokenizer_json)
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a tokenizers JSON: {e}") from None
+    n = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if n > vocab_size:
+        raise CheckpointError(
+            f"model.tokenizer {path} has {n} token ids but the model's arch.vocab_size is "
+            f"{vocab_size}: ids {vocab_size}..{n - 1} would have no embedding. Give a "
+            f"tokenizer of at most {vocab_size} ids, or set arch.vocab_size to at least {n}")

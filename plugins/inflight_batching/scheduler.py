@@ -154,7 +154,9 @@ class SchedulerOutput:
 @dataclass
 class StepOutput:
     """What the executor side hands back: one entry per scheduled sequence."""
-    sampled_token_ids: list[Optional[int]]  # seqs[i] -> its new token (None: mid-prefill)
+    # seqs[i] -> its new token. None: mid-prefill; or, where seqs[i] was to sample, deferred
+    # (no token this step: its last scheduled token is computed again next step)
+    sampled_token_ids: list[Optional[int]]
 
 
 class Scheduler:
@@ -270,9 +272,12 @@ class Scheduler:
         finishes sequences on stop tokens / max_tokens / max_seq_len and frees their blocks.
         -> the sequences that received a token (finished ones included)."""
         touched = []
-        for seq, n, tok in zip(out.seqs, out.num_scheduled_tokens, step.sampled_token_ids):
+        for seq, n, tok, sample in zip(out.seqs, out.num_scheduled_tokens,
+                                       step.sampled_token_ids, out.sample):
             if seq.is_finished:        # cancelled while the step ran
                 continue
+            if tok is None and sample:   # deferred by the sampler: its last token runs again
+                n -= 1
             seq.num_computed_tokens += n
             self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
             if tok is None:

@@ -33,6 +33,7 @@ from kiln.contracts import FieldError
 from kiln.contracts.manifest import PlanManifest
 from kiln.runtime.compute import name_os_thread
 from kiln.runtime.engine import Engine, EngineConfig
+from kiln.runtime.guided import GuidedLimits
 from kiln.runtime.plan import Plan, load_plan, read_manifest
 from kiln.runtime.server.auth import BearerToken
 from kiln.runtime.server.errors import ServeError
@@ -72,6 +73,7 @@ class ServeConfig:
     metrics_host: Optional[str] = None       # default: host
     metrics_auth: bool = False               # the bearer token on the metrics port too
     limits: RequestLimits = RequestLimits()  # per-request caps (runtime/server/limits.py)
+    guided: GuidedLimits = GuidedLimits()    # output constraints' costs (runtime/guided.py)
     threads: Optional[int] = None            # the engine thread's compute threads
     expect_digest: Optional[str] = None      # refuse a plan whose plan.json sha256 differs
 
@@ -386,7 +388,8 @@ async def drain_and_stop(cfg: ServeConfig, fe: Frontend, ports: Listeners,
 
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
     plan = load_plan(cfg.plan, cfg.expect_digest)   # the bytes it runs, checked again
-    return Engine.from_plan(plan, num_threads=cfg.threads, **cfg.overrides()), plan
+    return Engine.from_plan(plan, num_threads=cfg.threads, guided_limits=cfg.guided,
+                            **cfg.overrides()), plan
 
 
 async def drain(fe: Frontend, server, health_svc, seconds: float,

@@ -105,7 +105,8 @@ class Frontend:
             self.check_ready()
             self.limits.check_prompt(prompt, self.engine.config.input_len)
             self.limits.check_params(params)
-            stream = await self._submit(prompt, params, f"kiln-{next(self._ids)}")
+            guide = await self._compile(params)
+            stream = await self._submit(prompt, params, f"kiln-{next(self._ids)}", guide)
         except Exception as e:
             err = classify(e)
             self.metrics.refused(err.outcome)
@@ -123,11 +124,25 @@ class Frontend:
                 stream.cancel()
                 self.metrics.refused("cancelled")
 
-    async def _submit(self, prompt: Prompt, params: SamplingParams, rid: str) -> RequestStream:
+    async def _compile(self, params: SamplingParams):
+        """The request's constraint compiled (on the engine's compile pool, never a thread a
+        submission needs), waiting at most the compile deadline; a caller that goes away
+        withdraws its compile. None when the request has no constraint."""
+        if params.guided is None:
+            return None
+        fut = self.engine.compile_guided(params.guided)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut),
+                                          self.engine.guided_limits.compile_timeout_s)
+        except asyncio.TimeoutError:
+            raise self.engine.compile_timeout(params.guided) from None
+
+    async def _submit(self, prompt: Prompt, params: SamplingParams, rid: str,
+                      guide=None) -> RequestStream:
         """engine.submit on a worker thread: tokenizing a long prompt (or bad words) never
         stalls the event loop. A caller that goes away meanwhile cancels what it submitted."""
         fut = asyncio.get_running_loop().run_in_executor(None, self.engine.submit, prompt,
-                                                         params, rid)
+                                                         params, rid, guide)
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:

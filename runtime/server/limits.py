@@ -4,6 +4,8 @@ work is done for it (`kiln serve` flags; defaults are far above what a plan can 
     HTTP body / gRPC message  > max_request_bytes  -> 413 / RESOURCE_EXHAUSTED (not read)
     prompt text, chat content > max_prompt_bytes   -> 400 / INVALID_ARGUMENT (not tokenized)
     stop strings/ids, bad words, prompts, messages > their cap -> 400 / INVALID_ARGUMENT
+    an output constraint's schema/regex/grammar/choices > max_guided_bytes, choices >
+        max_guided_choices, OpenAI tools > max_tools -> 400 / INVALID_ARGUMENT (not compiled)
     requests in flight on one ModelStreamInfer stream = max_stream_requests -> the stream
         is not read further until one ends (HTTP/2 flow control throttles the client)
 
@@ -33,6 +35,10 @@ class RequestLimits:
     max_prompts: int = 64                 # prompts x n choices of one OpenAI request
     max_messages: int = 1024              # chat messages per request
     max_stream_requests: int = 64         # requests in flight on one ModelStreamInfer stream
+    max_guided_bytes: int = 256 * 2**10   # one constraint's text: schema, regex, grammar, or
+    #                                       all its choices together (tool schemas included)
+    max_guided_choices: int = 256         # guided_choice entries
+    max_tools: int = 128                  # OpenAI tools per request (OpenAI's own cap)
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -76,3 +82,14 @@ class RequestLimits:
                 if len(w.encode("utf-8", "surrogatepass")) > self.max_word_bytes:
                     raise invalid(f"a {name} entry is longer than {self.max_word_bytes} bytes "
                                   "(a kiln serve limit)")
+        if p.guided is not None:
+            self.check_guided(p.guided)
+
+    def check_guided(self, g) -> None:
+        """One output constraint (runtime.guided.GuidedDecoding), before it is compiled."""
+        self.check_count("guided_choice", g.choices, self.max_guided_choices)
+        size = sum(len(t.encode("utf-8", "surrogatepass")) for t in (g.spec, *g.choices))
+        if size > self.max_guided_bytes:
+            what = {"json": "JSON schema", "choice": "choices"}.get(g.kind, g.kind)
+            raise invalid(f"the output constraint's {what} is {size} bytes; at most "
+                          f"{self.max_guided_bytes} are allowed (a kiln serve limit)")

@@ -153,7 +153,9 @@ def _check_body(body: dict, limits: RequestLimits, max_input_len: int) -> None:
             limits.check_count("messages", messages, limits.max_messages)
             limits.check_prompt([m for m in messages if isinstance(m, dict)] or "",
                                 max_input_len)
-        for name, cap in (("stop", limits.max_stop), ("stop_token_ids", limits.max_stop)):
+        for name, cap in (("stop", limits.max_stop), ("stop_token_ids", limits.max_stop),
+                          ("tools", limits.max_tools), ("guided_choice",
+                                                         limits.max_guided_choices)):
             if isinstance(body.get(name), list):
                 limits.check_count(name, body[name], cap)
     except ServiceError as e:
@@ -250,6 +252,8 @@ class OpenAIApp:
             body = json.loads(await request.body())
         except (ValueError, UnicodeDecodeError) as e:
             raise invalid(f"the request body is not valid JSON: {e}", None, "invalid_json")
+        except RecursionError:
+            raise invalid("the request body nests too deeply", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise invalid("the request body must be a JSON object", None, "invalid_json")
         try:

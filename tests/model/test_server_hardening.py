@@ -87,6 +87,18 @@ def kreq(rid: str, text: str, max_tokens: int, **inputs) -> kpb.ModelInferReques
     return r
 
 
+def stream_outcomes(k, reqs) -> tuple[dict, dict]:
+    """Send reqs on one ModelStreamInfer stream -> ({id: True} of the requests that ended
+    with a final response, {id: error_message} of those refused)."""
+    finals, errors = {}, {}
+    for r in k.ModelStreamInfer(iter(reqs), metadata=AUTH, timeout=120):
+        if r.error_message:
+            errors[r.infer_response.id] = r.error_message
+        elif r.infer_response.parameters["triton_final_response"].bool_param:
+            finals[r.infer_response.id] = True
+    return finals, errors
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -161,12 +173,7 @@ def test_31_streams_and_one_out_of_vocab_stop_id(server, vocab_size):
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         reqs = [kreq(f"g{i}", f"good {i}", 8, ignore_eos=True, stream=True) for i in range(6)]
         reqs.insert(3, kreq("bad", "bad", 8, end_id=vocab_size + 1, min_tokens=1, stream=True))
-        finals, errors = {}, {}
-        for r in k.ModelStreamInfer(iter(reqs), metadata=AUTH, timeout=120):
-            if r.error_message:
-                errors[r.infer_response.id] = r.error_message
-            elif r.infer_response.parameters["triton_final_response"].bool_param:
-                finals[r.infer_response.id] = True
+        finals, errors = stream_outcomes(k, reqs)
         assert list(errors) == ["bad"] and "vocabulary" in errors["bad"]
         assert sorted(finals) == [f"g{i}" for i in range(6)]
 
@@ -174,6 +181,40 @@ def test_31_streams_and_one_out_of_vocab_stop_id(server, vocab_size):
         "model": MODEL, "prompt": "bad", "max_tokens": 4, "min_tokens": 1,
         "stop_token_ids": [vocab_size + 1]})
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    server.wait_idle()
+
+
+# ---- output constraints: caps, and a bad one among many ---------------------------------------
+def test_a_deeply_nested_schema_fails_alone_and_constraints_are_capped(server):
+    deep = "[" * 100_000
+    with server.channel() as ch:
+        k = kpb_grpc.GRPCInferenceServiceStub(ch)
+        reqs = [kreq(f"g{i}", f"good {i}", 8, ignore_eos=True, stream=True) for i in range(4)]
+        reqs.insert(2, kreq("deep", "x", 8, guided_json=[deep], stream=True))
+        reqs.insert(4, kreq("big", "x", 8, guided_regex=["a" * (256 * 2**10 + 1)],
+                            stream=True))
+        finals, errors = stream_outcomes(k, reqs)
+        assert sorted(errors) == ["big", "deep"], errors
+        assert "nested too deeply" in errors["deep"] and "262144" in errors["big"]
+        assert sorted(finals) == [f"g{i}" for i in range(4)]
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.KilnStub(ch).Generate(pb.GenerateRequest(
+                prompt="x", sampling=pb.SamplingParams(
+                    max_tokens=2, guided=pb.GuidedDecoding(json_schema=deep))),
+                metadata=AUTH, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = httpx.post(f"{server.base}/v1/completions", headers={**HEADERS, "Content-Type":
+                   "application/json"}, timeout=60, content='{"model": "%s", "prompt": "x", '
+                   '"guided_json": %s}' % (MODEL, deep))          # nested in the body itself
+    assert r.status_code == 400 and "nests too deeply" in r.text, r.text
+    for route, body in (("completions", {"prompt": "x", "guided_json": deep}),
+                        ("completions", {"prompt": "x", "guided_choice": ["c"] * 257}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                              "tools": [tool] * 129})):
+        r = httpx.post(f"{server.base}/v1/{route}", headers=HEADERS, timeout=60,
+                       json={"model": MODEL, "max_tokens": 2, **body})
+        assert r.status_code == 400, r.text
     server.wait_idle()
 
 

@@ -3,13 +3,18 @@ bitmasks allow exactly what the grammar allows, the sampler obeys them row by ro
 OpenAI tools/response_format parameters, kiln.v1's and KServe's fields become the right
 constraints and tool calls."""
 import json
+import threading
+from concurrent.futures import CancelledError
 
 import grpc
 import pytest
 import torch
 
-from kiln.runtime.guided import GrammarCache, GuidedDecoding, Masker, apply_bitmask
+from kiln.runtime.guided import (CompileBusy, GrammarCache, GuidedDecoding, GuidedLimits, Masker,
+                                 apply_bitmask)
 from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState
+from kiln.runtime.server.errors import ServiceError
+from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.openai_protocol import ChoiceState, OpenAIError, final_json, parse_chat, \
     parse_completion
 from kiln.runtime.server.openai_tools import parse_tools, render_messages
@@ -250,3 +255,98 @@ def test_kiln_v1_and_kserve_fields_become_constraints():
         with pytest.raises(ServiceError) as e:
             kserve.parse(req(**BASE, **extra), 100)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- bounds: the compile pool, the cache, llguidance's limits, the step budget ----------------
+def test_constraint_text_and_choices_are_capped_before_compiling():
+    limits = RequestLimits(max_guided_bytes=1000, max_guided_choices=3)
+    big = GuidedDecoding.json_schema({"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(100)}})
+    for g, word in ((big, "1000"), (GuidedDecoding("regex", "a" * 1001), "1000"),
+                    (GuidedDecoding("choice", choices=("x", "y", "z", "w")), "at most 3")):
+        with pytest.raises(ServiceError) as e:
+            limits.check_params(SamplingParams(guided=g))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and word in e.value.message
+    limits.check_params(SamplingParams(guided=GuidedDecoding("regex", "a" * 1000)))
+
+
+def _drain(cache: GrammarCache) -> None:
+    """Wait until every compile queued so far on a one-thread pool has run."""
+    cache._pool.submit(lambda: None).result(60)
+
+
+def test_compiles_run_on_their_own_bounded_pool_and_a_caller_that_leaves_withdraws():
+    cache = GrammarCache(TOK.to_json(), EOS, V, GuidedLimits(compile_threads=1,
+                                                             max_compiles_waiting=1))
+    hold = threading.Event()
+    cache._pool.submit(hold.wait, 60)            # the one compile thread is busy
+    one = cache.submit(GuidedDecoding("regex", "one"))
+    same = cache.submit(GuidedDecoding("regex", "one"))      # joins the queued compile
+    with pytest.raises(CompileBusy):
+        cache.submit(GuidedDecoding("regex", "two"))          # the queue holds one
+    assert one.cancel() and same.cancel()                     # both callers leave
+    two = cache.submit(GuidedDecoding("regex", "two"))        # room again: "one" is dropped
+    hold.set()
+    assert isinstance(two.result(60).matcher, object)
+    _drain(cache)
+    assert len(cache._cache) == 1                             # "one" never compiled
+    with pytest.raises(CancelledError):
+        one.result(0)
+    cache.close()
+
+
+def test_a_compile_past_its_deadline_is_refused_and_cached_for_the_next_caller():
+    cache = GrammarCache(TOK.to_json(), EOS, V, GuidedLimits(compile_threads=1,
+                                                             compile_timeout_s=1e-9))
+    g = GuidedDecoding.json_schema({"type": "object", "properties": {
+        f"k{i}": {"type": "string", "maxLength": 9} for i in range(200)}})
+    with pytest.raises(ValueError) as e:
+        cache.guide(g)
+    assert "--guided-compile-timeout" in str(e.value)
+    _drain(cache)
+    assert cache.guide(g).matcher is not None                 # from the cache: no wait
+    cache.close()
+
+
+def test_the_grammar_cache_is_bounded_in_bytes_and_keyed_by_digest():
+    cap = 3 * 2**20
+    cache = GrammarCache(TOK.to_json(), EOS, V, GuidedLimits(cache_bytes=cap))
+    for i in range(30):
+        cache.guide(GuidedDecoding("regex", f"[a-z]{{{i + 1}}}x" + "y" * 2000))
+    assert 0 < cache.cached_bytes <= cap and len(cache._cache) < 30
+    assert all(len(k) == 32 for k in cache._cache)            # a digest, not the spec text
+    huge = GuidedDecoding("regex", "(" + "|".join(f"w{i}" for i in range(5000)) + ")")
+    before = dict(cache._cache)
+    cache.guide(huge)                                         # larger than the whole bound
+    assert dict(cache._cache).keys() == before.keys()
+    cache.close()
+
+
+def test_llguidance_parser_limits_are_passed():
+    g = GuidedDecoding.json_schema({"type": "object", "properties": {
+        f"k{i}": {"type": "integer"} for i in range(50)}})
+    small = GrammarCache(TOK.to_json(), EOS, V, GuidedLimits(max_grammar_size=100))
+    with pytest.raises(ValueError) as e:
+        small.guide(g)
+    assert str(e.value).startswith("invalid JSON schema")
+    assert GrammarCache(TOK.to_json(), EOS, V).guide(g).error is None
+
+
+def test_a_deeply_nested_schema_is_a_value_error_on_every_api():
+    from kiln.runtime.server import kserve
+    from kiln.runtime.server.native import sampling_params
+    from kiln.runtime.server.proto import kiln_pb2 as pb
+    from tests.unit.test_kserve_parse import BASE, req
+
+    deep = "[" * 100_000
+    with pytest.raises(ValueError, match="nested too deeply"):
+        GuidedDecoding.json_schema(deep)
+    with pytest.raises(ServiceError) as e:
+        kserve.parse(req(**BASE, guided_json=("BYTES", [1, 1], [deep.encode()])), 100)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ServiceError) as e:
+        sampling_params(pb.SamplingParams(guided=pb.GuidedDecoding(json_schema=deep)))
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(OpenAIError) as e:
+        parse_completion({"model": "m", "prompt": "x", "guided_json": deep}, TOK)
+    assert e.value.status == 400

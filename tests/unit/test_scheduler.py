@@ -210,3 +210,23 @@ def test_config_validation():
         SchedulerConfig(policy="fifo")
     with pytest.raises(ValueError, match="max_input_len"):
         SchedulerConfig(max_seq_len=16, max_input_len=16)
+
+
+def test_a_sequence_without_its_token_runs_its_last_token_again():
+    """The sampler may leave a sampling row without a token (a constrained row whose mask the
+    step's budget left out): the row's last scheduled token is computed again next step."""
+    s = make()
+    a, b = seq("a", 6), seq("b", 3)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()                                   # both prompts, whole
+    s.update(out, StepOutput([None, 7]))                 # a deferred, b sampled
+    assert (a.num_computed_tokens, a.num_output_tokens) == (5, 0)
+    out = s.schedule()
+    assert out.seqs == [a, b] and out.num_scheduled_tokens == [1, 1] and out.sample == [1, 1]
+    assert a.token_ids[a.num_computed_tokens] == 5       # the prompt's last token, again
+    s.update(out, StepOutput([8, None]))                 # now b waits
+    assert a.output_token_ids == [8] and b.num_computed_tokens == 3
+    drain(s)
+    assert a.num_output_tokens == b.num_output_tokens == 4
+    assert s.pool.stats().used_blocks == 0

@@ -214,3 +214,17 @@ def test_load_model_rejects_bad_streams():
         load_model(ckpt(full + [("output.weight", torch.zeros(8, 8))]))
     with pytest.raises(CheckpointError, match=r"test: missing tensors: norm\.weight$"):
         load_model(ckpt([x for x in full if x[0] != "norm.weight"]))
+
+
+def test_random_model_with_a_larger_tokenizer_is_refused(tmp_path):
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(byte_level(300, 1, 2))
+    arch = {"vocab_size": 260, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(CheckpointError) as e:
+        open_checkpoint(ModelSpec(source="random", arch=arch, tokenizer=str(tok)))
+    msg = str(e.value)
+    assert "300 token ids" in msg and "vocab_size is 260" in msg and str(tok) in msg
+    tok.write_text(byte_level(260, 1, 2))                    # as many ids: fine
+    assert open_checkpoint(ModelSpec(source="random", arch=arch,
+                                     tokenizer=str(tok))).config.vocab_size == 260

@@ -134,8 +134,8 @@ def write_top1(path: Path, top1: Sequence[int]) -> None:
     path.write_bytes(struct.pack(f"<{len(top1)}i", *top1))
 
 
-def read_top1(path: Path) -> list[int]:
-    data = path.read_bytes()
+def read_top1(data: bytes) -> list[int]:
+    """The reference's top-1 predictions from REFERENCE_FILE's bytes."""
     return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
@@ -182,7 +182,7 @@ def rerun_gate(plan: Plan, step_fn=None) -> dict:
     layout = eval_layout(shape.num_layers, shape.num_kv_heads, shape.head_dim, window,
                          m.kv_cache.tokens_per_block, m.kv_cache.dtype)
     res = evaluate(step_fn, layout, ids, window)
-    got = summarize(res, recorded.ref_ppl, read_top1(plan.path / REFERENCE_FILE),
+    got = summarize(res, recorded.ref_ppl, read_top1(plan.data_file(REFERENCE_FILE)),
                     recorded.max_ppl_increase)
     got["text"] = recorded.text
     drift = got["ppl"] / recorded.ppl - 1.0

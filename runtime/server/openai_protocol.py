@@ -439,10 +439,11 @@ def final_json(job: OpenAIRequest, states: list[ChoiceState], tok: Tokenizer, mo
         else:
             message = {"role": "assistant", "content": st.text, "refusal": None}
             finish = st.finish_reason
-            calls = job.tools.calls(st.text) if job.tools and finish == "stop" else None
-            if calls:
-                message.update(content=None, tool_calls=calls)
-                finish = "tool_calls"
+            if job.tools:               # calls, content, or the calls completed before a cut
+                made = job.tools.reply(st.text, finish)
+                message["content"], finish = made.content, made.finish_reason
+                if made.calls:
+                    message["tool_calls"] = list(made.calls)
             choices.append({"index": i, "message": message, "finish_reason": finish,
                             "logprobs": chat_logprobs(tok, st.logprobs) if job.logprobs
                             else None})
@@ -497,19 +498,19 @@ def _tool_choice_chunk(job: OpenAIRequest, index: int, st: ChoiceState, text: st
             delta["content"] = None
         if text or "role" in delta:
             delta["tool_calls"] = [call]
-        if finish == "stop":
-            finish = "tool_calls"
+        if finish is not None:      # tool_calls once the arguments are complete
+            finish = job.tools.reply(st.text, finish).finish_reason
         logprobs = chat_logprobs(tok, lps) if job.logprobs and lps else None
     else:
         if finish is None:
             return {"index": index, "delta": delta, "finish_reason": None,
                     "logprobs": None} if delta else None
-        calls = job.tools.calls(st.text) if finish == "stop" else None
-        if calls:
-            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-            finish = "tool_calls"
-        else:
-            delta["content"] = st.text
+        made = job.tools.reply(st.text, finish)
+        if made.calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(made.calls)]
+        if made.content is not None:
+            delta["content"] = made.content
+        finish = made.finish_reason
         logprobs = chat_logprobs(tok, st.logprobs) if job.logprobs and st.logprobs else None
     if not delta and finish is None:
         return None

@@ -13,6 +13,17 @@ as is; otherwise (SmolLM2's and most small models' templates) a system message l
 and asks for `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (the Hermes/Qwen
 format). tool_choice "auto" is unconstrained: a reply made of such blocks whose names are
 tools becomes tool_calls, anything else is content. "none" leaves the tools out.
+
+The constraint reads each function's parameters as strict function calling does
+(`strict_parameters`): an object schema without additionalProperties allows only its declared
+properties, each at most once, in the schema's order. Without parallel_tool_calls the array
+closes after one call; with it the model may start another, up to MAX_TOOL_CALLS.
+
+Replies are read linearly (`Tools.reply`): the JSON decoder at known offsets, `str.find` for
+the tags, no backtracking regex, and an auto reply longer than MAX_TOOL_REPLY_CHARS is content
+without being scanned. A reply constrained to tool calls that ends before its calls are
+complete (max_tokens, a stop string) never becomes content: it carries the calls it completed
+and says why it ended (finish_reason length or stop).
 """
 from __future__ import annotations
 
@@ -33,7 +44,17 @@ TOOL_PROMPT = (
     "To call a function, reply with one JSON object per call, each within "
     "<tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, "
     "\"arguments\": <arguments-object>}}\n</tool_call>")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_SPACE = re.compile(r"[ \t\n\r]*")          # JSON's whitespace: one greedy class, linear
+_DECODER = json.JSONDecoder()
+# The most of an auto (unconstrained) reply scanned for <tool_call> blocks: a longer reply is
+# content. Scanning is linear; the cap bounds what one reply costs the server (milliseconds).
+MAX_TOOL_REPLY_CHARS = 1 << 20
+# The most calls one reply makes: the constraint's array holds at most this many, and an auto
+# reply with more blocks is content (each call costs an id and a JSON rewrite)
+MAX_TOOL_CALLS = 128
+# JSON levels a function's parameters may nest (the schema is walked and written recursively)
+MAX_PARAMETERS_DEPTH = 64
 
 
 class ToolError(ValueError):
@@ -82,6 +103,14 @@ def _response_format(rf: dict) -> GuidedDecoding:
 
 
 @dataclass(frozen=True)
+class ToolReply:
+    """What a finished chat reply of a request with tools is."""
+    content: Optional[str]             # the reply as text; None when it is (or began) calls
+    calls: tuple[dict, ...]            # the complete OpenAI tool_calls it made
+    finish_reason: str                 # tool_calls (all calls complete) | stop | length
+
+
+@dataclass(frozen=True)
 class Tools:
     """A chat request's tools and what tool_choice makes of them."""
     functions: tuple[dict, ...]        # OpenAI function objects {name, description, parameters}
@@ -96,45 +125,147 @@ class Tools:
         """The constraint tool_choice implies (auto and none: none)."""
         if self.choice == "named":
             fn = next(f for f in self.functions if f["name"] == self.named)
-            return GuidedDecoding.json_schema(fn.get("parameters") or {"type": "object"})
+            return GuidedDecoding.json_schema(_parameters(fn))
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {
-                     "name": {"const": f["name"]},
-                     "parameters": f.get("parameters") or {"type": "object"}},
+                     "name": {"const": f["name"]}, "parameters": _parameters(f)},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for f in self.functions]
-        schema = {"type": "array", "minItems": 1,
-                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if not parallel:
-            schema["maxItems"] = 1
-        return GuidedDecoding.json_schema(schema)
+        return GuidedDecoding.json_schema({
+            "type": "array", "minItems": 1, "maxItems": MAX_TOOL_CALLS if parallel else 1,
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}})
 
-    def calls(self, text: str) -> Optional[list[dict]]:
-        """The OpenAI tool_calls a finished reply makes, or None (the reply is content)."""
-        try:
-            if self.choice == "named":
-                json.loads(text)
-                return [_call(self.named, text)]
-            if self.choice == "required":
-                return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                        for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):
-            return None
-        if self.choice != "auto" or not _CALL.search(text) or _CALL.sub("", text).strip():
-            return None
+    def reply(self, text: str, finish: str) -> ToolReply:
+        """What the reply `text`, ended for `finish` (stop | length), is: tool calls, content,
+        or (constrained to calls, or an auto reply of calls cut by length) the calls it
+        completed before it ended, never the cut call as content."""
         names = {f["name"] for f in self.functions}
-        out = []
-        for body in _CALL.findall(text):
-            try:
-                c = json.loads(body)
-                args = c.get("arguments", c.get("parameters", {}))
-                if c["name"] not in names or not isinstance(args, dict):
-                    return None
-            except (ValueError, TypeError, KeyError, AttributeError):
-                return None
-            out.append(_call(c["name"], json.dumps(args, ensure_ascii=False)))
-        return out
+        if self.choice == "named":
+            if finish == "stop" and _complete_json(text):
+                return ToolReply(None, (_call(self.named, text),), "tool_calls")
+            return ToolReply(None, (), finish)
+        if self.choice == "required":
+            calls, closed = _array_calls(text, names)
+            if closed and finish == "stop":
+                return ToolReply(None, calls, "tool_calls")
+            return ToolReply(None, calls, finish)
+        tagged = _tagged_calls(text, names) if self.choice == "auto" else None
+        if tagged is None or (finish == "stop" and not tagged[1]):
+            return ToolReply(text, (), finish)
+        calls, complete = tagged
+        return ToolReply(None, calls, "tool_calls" if complete and finish == "stop" else finish)
+
+
+def _parameters(fn: dict) -> Any:
+    return strict_parameters(fn.get("parameters") or {"type": "object"})
+
+
+def strict_parameters(schema: Any, close: bool = True) -> Any:
+    """A function's parameters schema as strict function calling reads it: an object schema
+    without additionalProperties (or patternProperties, unevaluatedProperties) takes
+    additionalProperties false, and so do the schemas nested in it (properties, items, $defs,
+    anyOf/oneOf branches). Combinators: a schema with anyOf/oneOf/allOf is left open (its
+    branches say what it holds); anyOf/oneOf branches beside declared properties, and allOf
+    branches, are left open too (closing one would forbid the others' properties)."""
+    if isinstance(schema, list):
+        return [strict_parameters(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_parameters(v) for k, v in out[key].items()}
+    for key in ("items", "prefixItems", "additionalProperties"):
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = strict_parameters(out[key])
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = strict_parameters(out[key], key != "allOf" and "properties" not in out)
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or \
+        (kind is None and "properties" in out)
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties",
+                 "anyOf", "oneOf", "allOf")
+    if close and is_object and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
+
+
+def _complete_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+def _skip(text: str, i: int) -> int:
+    return _SPACE.match(text, i).end()
+
+
+def _array_calls(text: str, names: set[str]) -> tuple[tuple[dict, ...], bool]:
+    """(the complete calls, whether the array closed) of a `[{"name", "parameters"}, ...]`
+    reply, read item by item with the JSON decoder: each character once."""
+    calls: list[dict] = []
+    i = _skip(text, 0)
+    if not text.startswith("[", i):
+        return (), False
+    i += 1
+    while True:
+        try:
+            item, i = _DECODER.raw_decode(text, _skip(text, i))
+        except (ValueError, RecursionError):       # cut inside this call
+            return tuple(calls), False
+        call = _call_of(item, names, "parameters")
+        if call is None:
+            return tuple(calls), False
+        calls.append(call)
+        i = _skip(text, i)
+        if not text.startswith(",", i):
+            closed = text.startswith("]", i) and _skip(text, i + 1) == len(text)
+            return tuple(calls), closed
+        i += 1
+
+
+def _tagged_calls(text: str, names: set[str]) -> Optional[tuple[tuple[dict, ...], bool]]:
+    """(the complete calls, whether every block closed) of a reply made only of
+    <tool_call>...</tool_call> blocks naming known tools (the last may be cut off), or None
+    when it is content. Linear: one `find` per block, one decode per body."""
+    if len(text) > MAX_TOOL_REPLY_CHARS:
+        return None
+    calls: list[dict] = []
+    i = _skip(text, 0)
+    while i < len(text):
+        if not text.startswith(_OPEN, i):
+            rest = text[i:]        # a reply cut inside the opening tag is a call cut off
+            return (tuple(calls), False) if len(rest) < len(_OPEN) and \
+                _OPEN.startswith(rest) else None
+        start = i + len(_OPEN)
+        end = text.find(_CLOSE, start)
+        if end < 0:
+            return tuple(calls), False
+        try:
+            body = json.loads(text[start:end])
+        except (ValueError, RecursionError):
+            return None
+        call = _call_of(body, names, "arguments", "parameters")
+        if call is None or len(calls) == MAX_TOOL_CALLS:
+            return None
+        calls.append(call)
+        i = _skip(text, end + len(_CLOSE))
+    return (tuple(calls), True) if calls else None
+
+
+def _call_of(obj: Any, names: set[str], *arg_keys: str) -> Optional[dict]:
+    """The OpenAI tool call of a decoded {"name", <arguments>} object, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
+            or obj["name"] not in names:
+        return None
+    args = next((obj[k] for k in arg_keys if k in obj), {})
+    if not isinstance(args, dict):
+        return None
+    return _call(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def _call(name: str, arguments: str) -> dict:
@@ -169,6 +300,9 @@ def parse_tools(tools: Any, tool_choice: Any) -> Optional[Tools]:
         if params is not None and not isinstance(params, dict):
             raise ToolError(f"{where}.function.parameters must be a JSON schema object",
                             f"{where}.function.parameters")
+        if _deeper_than(params, MAX_PARAMETERS_DEPTH):
+            raise ToolError(f"{where}.function.parameters nests deeper than "
+                            f"{MAX_PARAMETERS_DEPTH} levels", f"{where}.function.parameters")
         fns.append({k: fn[k] for k in ("name", "description", "parameters") if k in fn})
     names = [f["name"] for f in fns]
     if len(set(names)) != len(names):
@@ -185,6 +319,18 @@ def parse_tools(tools: Any, tool_choice: Any) -> Optional[Tools]:
         raise ToolError(f"tool_choice {choice!r}: auto, required, none or "
                         "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
     return Tools(tuple(fns), choice)
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether the JSON value `obj` nests more than `limit` levels (walked without recursion)."""
+    stack = [(obj, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 def render_messages(messages: list[dict], tools: Optional[Tools], template: str
@@ -228,5 +374,5 @@ def _args(fn: dict) -> Any:
     a = fn.get("arguments")
     try:
         return json.loads(a) if isinstance(a, str) else a
-    except ValueError:
+    except (ValueError, RecursionError):     # not JSON, or nested too deeply: the text
         return a

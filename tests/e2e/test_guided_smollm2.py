@@ -61,3 +61,24 @@ def test_json_schema_and_tool_calls_on_smollm2(engine):
         args = json.loads(call["function"]["arguments"])
         jsonschema.validate(args, WEATHER["function"]["parameters"])
         print(choice, args)
+
+
+def test_the_weather_tool_call_ends_as_one_call_with_the_declared_keys(engine):
+    """tool_choice required, parameters without additionalProperties, 96 tokens: the call
+    has exactly its two keys and closes; more calls only as parallel calls, complete ones."""
+    params = {k: v for k, v in WEATHER["function"]["parameters"].items()
+              if k != "additionalProperties"}
+    params["properties"] = {"city": {"type": "string"},
+                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}
+    tool = {"type": "function", "function": {**WEATHER["function"], "parameters": params}}
+    ask = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
+    for parallel in (None, False):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = reply(engine, {"max_tokens": 96, "messages": ask, "tools": [tool],
+                           "tool_choice": "required", **extra})
+        assert r["finish_reason"] == "tool_calls" and r["message"]["content"] is None, r
+        calls = r["message"]["tool_calls"]
+        assert parallel is None or len(calls) == 1
+        for call in calls:
+            args = json.loads(call["function"]["arguments"])
+            assert list(args) == ["city", "unit"], args

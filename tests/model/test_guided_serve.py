@@ -255,6 +255,60 @@ def test_tool_choice_required_and_named(server):
     _check_calls(r2.choices[0].message.tool_calls)
 
 
+# Both properties required, no additionalProperties: strict function calling allows exactly
+# these two keys, once each.
+LOOSE_WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"]}
+
+
+def _weather_tool(**city) -> dict:
+    params = json.loads(json.dumps(LOOSE_WEATHER))
+    params["properties"]["city"].update(city)
+    return {"type": "function", "function": {"name": "get_weather", "parameters": params,
+                                             "description": "Get the current weather in a city"}}
+
+
+def _exact_keys(calls) -> None:
+    for call in calls:
+        args = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and list(args) == ["city", "unit"], args
+
+
+def test_tool_calls_end_as_tool_calls_or_say_they_were_cut(server):
+    c = client(server)
+    ask = [{"role": "user", "content": "What's the weather in Paris, in celsius?"}]
+    kw = dict(model=MODEL, messages=ask, tools=[_weather_tool()], tool_choice="required",
+              max_tokens=96, temperature=0)
+    # One call and the array closes: the reply ends as a tool call
+    ch = c.chat.completions.create(**kw, parallel_tool_calls=False).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    assert len(ch.message.tool_calls) == 1
+    _exact_keys(ch.message.tool_calls)
+    # Parallel calls (the SDK's default): the greedy random model starts call after call
+    # until max_tokens; what it completed are calls, the cut one is dropped, never content
+    for r in (c.chat.completions.create(**kw),
+              c.chat.completions.create(**{**kw, "max_tokens": 30})):   # cut in the first
+        ch = r.choices[0]
+        assert ch.finish_reason in ("tool_calls", "length") and ch.message.content is None, ch
+        _exact_keys(ch.message.tool_calls or [])
+    assert ch.finish_reason == "length" and not ch.message.tool_calls
+    chunks = [x.choices[0] for x in c.chat.completions.create(**kw, stream=True) if x.choices]
+    assert chunks[-1].finish_reason in ("tool_calls", "length")
+    assert not any(x.delta.content for x in chunks)
+    # Sampled, with the city bounded so that calls complete: exactly the declared keys
+    for seed in range(4):
+        for parallel in (True, False):
+            ch = c.chat.completions.create(
+                model=MODEL, messages=ask, tools=[_weather_tool(maxLength=8)], seed=seed,
+                tool_choice="required", max_tokens=400, temperature=1.0,
+                parallel_tool_calls=parallel).choices[0]
+            assert ch.message.content is None and (ch.finish_reason == "length" or
+                                                   ch.message.tool_calls), ch
+            assert parallel or len(ch.message.tool_calls) == 1
+            _exact_keys(ch.message.tool_calls or [])
+
+
 # ---- batching ---------------------------------------------------------------------------------
 def test_unconstrained_requests_batched_with_constrained_ones_keep_their_greedy_output(server):
     c = client(server)

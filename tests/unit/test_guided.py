@@ -176,7 +176,9 @@ def test_response_format_and_guided_parameters_become_constraints():
 def test_tool_choice_constraints_and_tool_calls():
     named = chat({"tools": [WEATHER, TIME],
                   "tool_choice": {"type": "function", "function": {"name": "weather"}}})
-    assert json.loads(named.choices[0][1].guided.spec) == WEATHER["function"]["parameters"]
+    # strict function calling: an object without additionalProperties has only its properties
+    assert json.loads(named.choices[0][1].guided.spec) == {
+        **WEATHER["function"]["parameters"], "additionalProperties": False}
     required = chat({"tools": [WEATHER, TIME], "tool_choice": "required",
                      "parallel_tool_calls": False})
     schema = json.loads(required.choices[0][1].guided.spec)

@@ -9,6 +9,7 @@ step that touches the output path, so a failed or interrupted build leaves nothi
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,14 +17,16 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
 from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
-from kiln.contracts.manifest import (AccuracyRecord, EngineSection, FileEntry, KVCacheSection,
-                                     LimitsSection, ModelSection, PlanManifest, PrecisionSection,
-                                     SchedulerSection, TargetSection, ToolchainSection)
+from kiln.contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
+                                     KVCacheSection, LimitsSection, ModelSection, PlanManifest,
+                                     PrecisionSection, QuantizationRecord, SchedulerSection,
+                                     TargetSection, ToolchainSection)
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
 # need them: an up-to-date check must answer in well under 2 seconds.
@@ -83,14 +86,15 @@ def check_build_machine(spec: Spec) -> None:
                      "Set target.device: cpu.")
 
 
-def plan_fingerprint(spec: Spec, ckpt, target: dict | None = None) -> tuple[str, dict]:
+def plan_fingerprint(spec: Spec, ckpt, target: TargetSection | None = None
+                     ) -> tuple[str, dict]:
     from kiln.builder.fingerprint import fingerprint, fingerprint_inputs
 
     inputs = fingerprint_inputs(spec, ckpt.weights_digest, target)
     return fingerprint(inputs), inputs
 
 
-def resolve_target(spec: Spec) -> dict:
+def resolve_target(spec: Spec) -> TargetSection:
     """The manifest's target for this spec on this machine; BuildError when it cannot be built
     here (a CPU ISA whose features this machine lacks)."""
     from kiln.builder.fingerprint import build_target
@@ -194,34 +198,65 @@ def _replace_dir(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
+@dataclass(frozen=True)
+class _Built:
+    """What the build stages made, for the manifest."""
+    quantization: QuantizationRecord
+    engine: EngineSection
+    check: Optional[CheckSection]
+    accuracy: Optional[AccuracyRecord]
+
+
+def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
                 fp_inputs: dict, progress: Progress) -> PlanManifest:
-    """Build the plan's files into tmp, then its manifest (the one writer of plan.json)."""
+    """Build the plan's files into tmp, then its manifest (the one writer of plan.json).
+
+    load fp32 -> reference (gated plans) -> quantize -> kernels, capture, compile -> check
+    -> accuracy gate -> tokenizer and generation config -> plan.json"""
     import torch
 
     from kiln.builder import compile as kcompile
-    from kiln.builder.fingerprint import toolchain
-    from kiln.plugins import isa as cpu_isa
-    from kiln.builder.sources import load_model, resolve_source
-    from kiln.runtime.plan import sha256_file
+    from kiln.builder.sources import load_model
 
-    cfg = ckpt.config
     progress.stage(f"loading weights: {ckpt.source_desc}")
     # float32 whatever the precision: packing (int8/int4/fp8/bf16) is a transform after this
     model = load_model(ckpt, dtype=torch.float32, progress=progress)
     model.eval()
+    gate = _reference(model, spec, ckpt, progress)
+    quantization = _quantize(model, spec, ckpt, progress)
+    engine = _compile(model, tmp, spec, target, progress)
+    progress.stage("checking the compiled step against the eager model")
+    check = kcompile.check_engine(model, tmp, engine, spec, spec.kv_dtype)
+    del model
+    accuracy = None if gate is None else _accuracy_gate(gate, tmp, engine, spec, progress)
+    (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
+    (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
+    manifest = _manifest(tmp, spec, spec_path, ckpt, target, fp, fp_inputs,
+                         _Built(quantization, engine, check, accuracy))
+    (tmp / MANIFEST_FILE).write_text(manifest.dumps())
+    return manifest
 
-    gate = None
-    if spec.max_ppl_increase is not None:
-        from kiln.builder.accuracy import Gate
 
-        gate = Gate(spec, ckpt)
-        # the fp32 model is at hand before packing its weights (cached or not)
-        progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
-        gate.compute_reference(model)
-    quant_info = _quantize(model, spec, ckpt, progress)
+def _reference(model, spec: Spec, ckpt, progress: Progress):
+    """The accuracy gate with its reference computed (None: the plan is not gated)."""
+    if spec.max_ppl_increase is None:
+        return None
+    from kiln.builder.accuracy_reference import Gate
 
-    level = None if spec.target.is_gpu else cpu_isa.level(target["isa"])
+    gate = Gate(spec, ckpt)
+    # the fp32 model is at hand before packing its weights (cached or not)
+    progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
+    gate.compute_reference(model)
+    return gate
+
+
+def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
+             progress: Progress) -> EngineSection:
+    """The plugins' kernels and the engine step, compiled into tmp -> the engine section."""
+    from kiln.builder import compile as kcompile
+    from kiln.plugins import isa as cpu_isa
+
+    level = None if spec.target.is_gpu else cpu_isa.level(target.isa)
     progress.stage(f"building kernels (CPU ISA {level.name})" if level else "building kernels")
     kernels = kcompile.build_kernels(tmp / "kernels", spec, level)
     kernel_paths = kcompile.kernel_paths(tmp, kernels, level)
@@ -230,36 +265,34 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
 
     limits = spec.limits
     max_blocks = math.ceil(limits.max_seq_len / spec.kv_cache.tokens_per_block)
-    kv_dtype = spec.kv_dtype
     progress.stage(f"capturing the engine step (torch.export, backend {spec.target.backend})")
     captured = kcompile.capture(model, limits.max_num_tokens, limits.max_batch_size, max_blocks,
-                                spec.kv_cache.tokens_per_block, kv_dtype)
+                                spec.kv_cache.tokens_per_block, spec.kv_dtype)
     progress.stage("compiling ahead of time (AOTInductor)" if spec.target.backend == "aoti"
                    else "saving the exported program (eager backend)")
     engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend,
                                           level)
     del captured
     # The engine section, once: the build's check and accuracy gate load the engine by it.
-    engine = EngineSection(backend=spec.target.backend, file=engine_file.name,
-                           kernels=tuple(k.relative_to(tmp).as_posix() for k in kernels),
-                           plugins=tuple(kcompile.engine_plugins(spec)),
-                           kernel_paths=kernel_paths, inputs=tuple(kcompile.INPUT_NAMES))
+    return EngineSection(backend=spec.target.backend, file=engine_file.name,
+                         kernels=tuple(k.relative_to(tmp).as_posix() for k in kernels),
+                         plugins=tuple(kcompile.engine_plugins(spec)),
+                         kernel_paths=kernel_paths, inputs=tuple(kcompile.INPUT_NAMES))
 
-    progress.stage("checking the compiled step against the eager model")
-    check = kcompile.check_engine(model, tmp, engine, spec, kv_dtype)
-    del model
-    accuracy = None
-    if gate is not None:
-        accuracy = _accuracy_gate(gate, tmp, engine, spec, progress)
 
-    (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
-    (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
+def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
+              fp_inputs: dict, built: _Built) -> PlanManifest:
+    """plan.json for the files in tmp (each with its size and sha256)."""
+    from kiln.builder.fingerprint import toolchain
+    from kiln.builder.sources import resolve_source
+    from kiln.runtime.plan import sha256_file
 
+    cfg, limits = ckpt.config, spec.limits
     files = {}
     for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
         rel = f.relative_to(tmp).as_posix()
         files[rel] = FileEntry(size=f.stat().st_size, sha256=sha256_file(f))
-    manifest = PlanManifest(
+    return PlanManifest(
         format_version=PLAN_FORMAT_VERSION,
         name=spec.name,
         fingerprint=fp,
@@ -275,35 +308,33 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: dict, fp: str,
             source_path=(None if spec.model.source == "random"
                          else resolve_source(spec.model.source)),
             weights_digest=ckpt.weights_digest),
-        target=TargetSection.from_json(target, "target"),
+        target=target,
         toolchain=ToolchainSection(**toolchain()),
-        precision=PrecisionSection(weights=spec.precision.weights, kv_cache=kv_dtype,
+        precision=PrecisionSection(weights=spec.precision.weights, kv_cache=spec.kv_dtype,
                                    activations=spec.precision.activations,
-                                   quantization=quant_info),
+                                   quantization=built.quantization),
         limits=LimitsSection(max_batch_size=limits.max_batch_size,
                              max_seq_len=limits.max_seq_len, max_input_len=limits.input_len,
                              max_num_tokens=limits.max_num_tokens),
         kv_cache=kv_cache_section(spec),
         scheduler=SchedulerSection(**spec.scheduler.model_dump(mode="json")),
-        engine=engine,
-        check=check,
-        accuracy=accuracy,
+        engine=built.engine,
+        check=built.check,
+        accuracy=built.accuracy,
         files=files,
     )
-    (tmp / MANIFEST_FILE).write_text(manifest.dumps())
-    return manifest
 
 
-def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
+def _quantize(model, spec: Spec, ckpt, progress: Progress) -> QuantizationRecord:
     """Swap the model's linears for packed ones (int8/int4/fp8/bf16); -> the manifest's record."""
     p = spec.precision
     if not spec.packed_weights:
-        return {"weights": p.weights, "scheme": None}
+        return QuantizationRecord(weights=p.weights, scheme=None)
     from kiln.builder.quantize import quantize_model
 
     calibration = None
     if spec.accuracy.calibration_text is not None:
-        from kiln.builder.accuracy import calibration_runner
+        from kiln.builder.accuracy_reference import calibration_runner
 
         calibration = calibration_runner(spec, ckpt)
     progress.stage(("fp32 linears on the quant plugin's GEMV" if p.weights == "fp32" else
@@ -314,30 +345,29 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> dict:
                                                    else ""))
     keep = () if p.weights in ("bf16", "fp32") else p.keep_high_precision
     try:
-        info = quantize_model(model, p.weights, group_size=p.group_size,
-                              keep_high_precision=keep, calibration=calibration,
-                              activations="int8" if p.activations == "int8" else "float",
-                              device=spec.target.device)
+        record = quantize_model(model, p.weights, group_size=p.group_size,
+                                keep_high_precision=keep, calibration=calibration,
+                                activations="int8" if p.activations == "int8" else "float",
+                                device=spec.target.device)
     except ValueError as e:   # FieldError: the quantize_model argument = the precision field
         path = f"precision.{e.field}" if isinstance(e, FieldError) else "precision.weights"
         raise SpecError(spec.name, [(path, str(e))]) from None
-    info["group_size_source"] = ("spec" if p.group_size is not None else
-                                 "auto" if p.weights == "int4" else None)
-    return info   # fp8_compute: the quantizer says how its kernel computes
+    return dataclasses.replace(record, group_size_source=(
+        "spec" if p.group_size is not None else "auto" if p.weights == "int4" else None))
 
 
 def _accuracy_gate(gate, tmp: Path, engine: EngineSection, spec: Spec,
                    progress: Progress) -> AccuracyRecord:
     """Run the compiled plan on the evaluation text; BuildError when over the limit."""
-    from kiln.runtime import accuracy as racc
+    from kiln.builder.accuracy_reference import gate_message
     from kiln.runtime.plan import load_engine
 
     progress.stage(f"accuracy gate: compiled plan vs unquantized model on {len(gate.ids)} "
                    f"tokens of {gate.text_name}")
     step = load_engine(tmp, engine)
-    acc = gate.run(step, spec.kv_dtype, tmp)
-    progress.stage("accuracy: " + racc.describe(acc))
-    msg = racc.gate_message(acc, spec.name, spec.precision.weights, spec.kv_dtype)
+    score = gate.run(step, spec.kv_dtype, tmp)
+    progress.stage("accuracy: " + score.describe(gate.text_name))
+    msg = gate_message(score, spec.name, spec.precision.weights, spec.kv_dtype)
     if msg:
         raise BuildError(msg)
-    return AccuracyRecord.from_json(acc, "accuracy")
+    return gate.record(score)

@@ -16,6 +16,7 @@ import torch
 
 from kiln.builder.spec import Spec
 from kiln.contracts import KILN_VERSION
+from kiln.contracts.manifest import TargetSection
 
 
 def toolchain() -> dict:
@@ -23,19 +24,19 @@ def toolchain() -> dict:
             "python": ".".join(map(str, sys.version_info[:3]))}
 
 
-def build_target(spec: Spec) -> dict:
+def build_target(spec: Spec) -> TargetSection:
     """The concrete target a plan is compiled for on this build machine (raises
     builder.target.TargetError when this machine cannot build it)."""
     if spec.target.is_gpu:
-        return {"device": spec.target.device, "arch": platform.machine(),
-                "compute_capability": spec.target.compute_capability, "isa": "none",
-                "isa_flags": [], "cpu_features": []}
+        return TargetSection(device=spec.target.device, arch=platform.machine(), isa="none",
+                             isa_flags=(), cpu_features=(),
+                             compute_capability=spec.target.compute_capability)
     from kiln.builder.target import cpu_target, resolve_level
 
     return cpu_target(resolve_level(spec.target.isa, spec.name))
 
 
-def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = None,
+def fingerprint_inputs(spec: Spec, weights_digest: str, target: TargetSection | None = None,
                        tools: dict | None = None, code: str | None = None) -> dict:
     from kiln.builder.uptodate import code_digest
 
@@ -56,8 +57,8 @@ def fingerprint_inputs(spec: Spec, weights_digest: str, target: dict | None = No
         # an edited builder or kernel rebuilds plans even at the same version number
         "toolchain": {"kiln": tools["kiln"], "torch": tools["torch"],
                       "code": code or code_digest()},
-        "target": {k: target.get(k) for k in ("device", "arch", "isa", "isa_flags", "cpu_features",
-                                              "compute_capability")},
+        # every field of the target: device, arch, isa, isa_flags, cpu_features, compute_capability
+        "target": target.to_json(),
     }
 
 

@@ -1,11 +1,13 @@
 """Quantization as a transform of a plain model (STYLE.md 7): swap nn.Linear for QuantLinear.
 
-    report = quantize_model(model, "int4", group_size=64, calibration=run_calibration)
+    record = quantize_model(model, "int4", group_size=64, calibration=run_calibration)
+        choose_scheme(...)  -> QuantScheme   the decision, from the arguments and the linears' K
+        _swap_linears(...)                   the swap loop (scale searches, the tied head)
+        -> QuantizationRecord                what was done: plan.json precision.quantization
 
 The model file knows nothing of packing; this module knows nothing of the architecture beyond
 two names: the token embedding (`tok_embeddings`) and the lm_head (the `output` Linear, or the
-tied embedding matrix). The returned dict describes what was done and goes into the plan
-manifest (precision.quantization).
+tied embedding matrix).
 
 Layers named in keep_high_precision keep their float dtype. The embedding, when not kept, is
 stored int8 per row (QuantEmbedding: a gather needs a per-row format; bf16 at bf16); the
@@ -21,12 +23,14 @@ once from the unquantized model (not layer by layer as in the AWQ paper).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
 from kiln.contracts import FieldError
+from kiln.contracts.manifest import QuantizationRecord
 from kiln.plugins.quant import formats
 from kiln.plugins.quant.modules import QuantEmbedding, QuantLinear
 
@@ -140,11 +144,75 @@ def smooth_search(w: torch.Tensor, x: torch.Tensor) -> tuple[Optional[torch.Tens
     return best[1], best[2]
 
 
+@dataclass(frozen=True)
+class QuantScheme:
+    """What quantize_model does, decided from its arguments and the linears' shapes alone."""
+    weights: str                 # the spec's precision.weights (formats.SCHEMES)
+    layer: str                   # the linears' format: weights', or int4_a8 (W4A8, rows16)
+    group_size: Optional[int]    # int4 / int4_a8 group; None otherwise
+    rows16: bool                 # int4 weight-only at group 32 on the CPU: the interleaved
+                                 # format per linear where its weight fits (else [N, K/2])
+    activations: str             # float | int8
+    calibrated: Optional[str]    # what calibration inputs are for: awq | smoothquant | None
+    keep: tuple[str, ...]        # keep_high_precision
+
+    @property
+    def embedding(self) -> Optional[str]:
+        """The embedding's storage when it is quantized (None: kept float)."""
+        if EMBED in self.keep:
+            return None
+        return self.weights if self.weights in ("bf16", "fp32") else "int8"
+
+    @property
+    def activation_format(self) -> str:
+        return ("float" if self.activations == "float" else
+                "int8-per-group-32-dynamic" if self.layer == "int4_a8" else
+                "int8-per-token-dynamic")
+
+
+def choose_scheme(weights: str, group_size: Optional[int], keep: tuple[str, ...],
+                  activations: str, device: str, linears: dict[str, nn.Linear]) -> QuantScheme:
+    """The scheme for these arguments (quantize_model's); reads only the linears' K."""
+    _check_args(weights, group_size)
+    # W4A8: the int4 linears take the interleaved group-minimum format of the W4A8 kernel
+    # (round-to-nearest: a Q4_1 GGUF's weights come back exactly); the head stays int8 W8A8.
+    # int4 weight-only on the CPU at group 32: the same format, float activations
+    # (kiln::linear_int4_rows16, 1.4-2.9x the [N, K/2] layout's decoder on SmolLM2's shapes).
+    layer = "int4_a8" if weights == "int4" and activations == "int8" else weights
+    gs = (formats.INT4_A8_GROUP if layer == "int4_a8" else
+          _resolve_group_size(group_size, linears) if weights == "int4" else None)
+    # Decided per linear, on the weight as it is quantized (after any AWQ scale): one that
+    # does not fit (rows not a multiple of 16, |w| beyond float16) keeps the [N, K/2] layout.
+    rows16 = layer == "int4" and device == "cpu" and gs == formats.INT4_A8_GROUP
+    if rows16:
+        layer = "int4_a8"
+    calibrated = ("awq" if weights == "int4" and activations == "float" else
+                  "smoothquant" if layer == "int8" and activations == "int8" else None)
+    return QuantScheme(weights, layer, gs, rows16, activations, calibrated, keep)
+
+
+@dataclass
+class _Swapped:
+    """What the swap loop did (becomes the QuantizationRecord)."""
+    quantized: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+    awq_alpha: dict[str, float] = field(default_factory=dict)
+    smooth_alpha: dict[str, float] = field(default_factory=dict)
+    lm_head: Optional[str] = None
+    layout_kept: list[str] = field(default_factory=list)   # int4 linears left in [N, K/2]
+    rows16_used: bool = False
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = None,
                    keep_high_precision: tuple[str, ...] = (EMBED, LM_HEAD),
                    calibration: Optional[Calibration] = None, activations: str = "float",
-                   device: str = "cpu") -> dict:
-    """Swaps the model's nn.Linear modules for QuantLinear in place; returns a report dict.
+                   device: str = "cpu") -> QuantizationRecord:
+    """Swaps the model's nn.Linear modules for QuantLinear in place; returns what it did.
 
     weights: int8 | int4 | fp8 | bf16 (weight-only: bf16 storage, float32 compute) | fp32
     (nothing quantized: every linear and the tied head run the plugin's streaming GEMV).
@@ -158,82 +226,94 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     on the embedding's int8 table. device: the plan's target; on "cpu", int4 weight-only at
     group 32 stores the same interleaved format and runs kiln::linear_int4_rows16; a linear
     that does not fit it (N % 16 != 0, or its AWQ-scaled |w| beyond float16) keeps the
-    [N, K/2] layout and is named in the report's "int4_layout_kept". A bad argument raises
+    [N, K/2] layout and is named in the report's `int4_layout_kept`. A bad argument raises
     FieldError naming it (`group_size`).
     """
+    keep = tuple(keep_high_precision)
+    _check_args(weights, group_size)
+    _check_keep(model, keep)
+    linears = _targets(model, keep)
+    head = _lm_head(model, keep)
+    all_q = dict(linears, **({"output": head} if head is not None else {}))
+    scheme = choose_scheme(weights, group_size, keep, activations, device, all_q)
+    acts: dict[str, torch.Tensor] = {}
+    method = "none" if weights == "fp32" else "rtn"   # fp32: the linears run the plugin's GEMV
+    if calibration is not None and scheme.calibrated:
+        acts = (dict(calibration) if isinstance(calibration, Mapping)
+                else collect_inputs(model, linears, calibration))
+        method = scheme.calibrated
+    done = _Swapped()
+    qemb = None
+    if scheme.embedding is not None:
+        emb = model.tok_embeddings
+        qemb = QuantEmbedding.from_embedding(emb, scheme.embedding)
+        done.bytes_before += _nbytes([emb.weight])
+        done.bytes_after += _nbytes(qemb.buffers())
+    _swap_linears(model, all_q, scheme, acts, qemb, done)
+    if qemb is not None:
+        model.tok_embeddings = qemb
+        done.quantized.append("tok_embeddings")
+    return QuantizationRecord(
+        weights=weights,
+        # int4 on rows16 where not one linear fit the interleaved format: plain int4
+        scheme="int4" if scheme.rows16 and not done.rows16_used else scheme.layer,
+        group_size=scheme.group_size, method=method, activations=scheme.activation_format,
+        kept=tuple(sorted(set(keep))), quantized=tuple(done.quantized),
+        awq_alpha=done.awq_alpha,
+        embedding=("float" if scheme.embedding is None else
+                   weights if weights in ("bf16", "fp32") else "int8-per-row"),
+        bytes_before=done.bytes_before, bytes_after=done.bytes_after,
+        smooth_alpha=done.smooth_alpha or None, lm_head=done.lm_head,
+        int4_layout_kept=tuple(done.layout_kept) or None,
+        # fp8: stored E4M3, this CPU kernel upcasts (no FP8 MMA); bf16: stored bf16,
+        # multiplied in float32 (no bf16 FMA on AVX2)
+        fp8_compute="upcast-fp32" if weights == "fp8" else None,
+        bf16_compute="upcast-fp32" if weights == "bf16" else None,
+        calibration=(None if calibration is None or scheme.calibrated else
+                     "not used: AWQ scale search applies to int4 weight-only, "
+                     "SmoothQuant to int8 weights with int8 activations"))
+
+
+def _check_args(weights: str, group_size: Optional[int]) -> None:
     if weights not in formats.SCHEMES:
         raise FieldError("weights", f"{weights!r}: allowed: {formats.SCHEMES}",
                          f"quantize_model weights={weights!r}; allowed: {formats.SCHEMES}")
-    keep = tuple(keep_high_precision)
     if group_size is not None and weights != "int4":
         raise FieldError("group_size", f"applies to int4 only (weights={weights!r})")
-    linears = _targets(model, keep)
+
+
+def _check_keep(model: nn.Module, keep: tuple[str, ...]) -> None:
     names = [n for n, _ in model.named_modules()]
     for k in keep:
         if k not in (EMBED, LM_HEAD) and not any(_kept(n, (k,)) for n in names):
             raise FieldError("keep_high_precision", f"entry {k!r} matches no module")
-    head = None
-    if LM_HEAD not in keep:
-        out = getattr(model, "output", None)
-        if out is None:   # tied: the head gets its own quantized copy; the embedding stays
-            emb = model.tok_embeddings.weight
-            out = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
-            out.weight = emb
-        head = out
-    all_q = dict(linears, **({"output": head} if head is not None else {}))
-    # W4A8: the int4 linears take the interleaved group-minimum format of the W4A8 kernel
-    # (round-to-nearest: a Q4_1 GGUF's weights come back exactly); the head stays int8 W8A8.
-    # int4 weight-only on the CPU at group 32: the same format, float activations
-    # (kiln::linear_int4_rows16, 1.4-2.9x the [N, K/2] layout's decoder on SmolLM2's shapes).
-    layer_scheme = "int4_a8" if weights == "int4" and activations == "int8" else weights
-    gs = (formats.INT4_A8_GROUP if layer_scheme == "int4_a8" else
-          _resolve_group_size(group_size, all_q) if weights == "int4" else None)
-    # Decided per linear, on the weight as it is quantized (after any AWQ scale): one that
-    # does not fit (rows not a multiple of 16, |w| beyond float16) keeps the [N, K/2] layout.
-    rows16 = (layer_scheme == "int4" and device == "cpu" and gs == formats.INT4_A8_GROUP)
-    if rows16:
-        layer_scheme = "int4_a8"
-    # what calibration inputs are for: AWQ scales (int4 weight-only), SmoothQuant (W8A8)
-    calibrated = ("awq" if weights == "int4" and activations == "float" else
-                  "smoothquant" if layer_scheme == "int8" and activations == "int8" else None)
 
-    acts: dict[str, torch.Tensor] = {}
-    method = "none" if weights == "fp32" else "rtn"   # fp32: the linears run the plugin's GEMV
-    if calibration is not None and calibrated:
-        acts = (dict(calibration) if isinstance(calibration, Mapping)
-                else collect_inputs(model, linears, calibration))
-        method = calibrated
-    report = {"weights": weights, "scheme": layer_scheme, "group_size": gs, "method": method,
-              "activations": ("float" if activations == "float" else
-                              "int8-per-group-32-dynamic" if layer_scheme == "int4_a8" else
-                              "int8-per-token-dynamic"),
-              "kept": sorted(set(keep)), "quantized": [], "awq_alpha": {},
-              "embedding": ("float" if EMBED in keep else
-                            weights if weights in ("bf16", "fp32") else "int8-per-row"),
-              "bytes_before": 0, "bytes_after": 0}
-    if weights == "fp8":   # weights stored E4M3; this CPU kernel upcasts them (no FP8 MMA)
-        report["fp8_compute"] = "upcast-fp32"
-    if weights == "bf16":  # stored bf16, multiplied in float32 (no bf16 FMA on AVX2)
-        report["bf16_compute"] = "upcast-fp32"
-    qemb = None
-    if EMBED not in keep:
-        emb = model.tok_embeddings
-        qemb = QuantEmbedding.from_embedding(emb, weights if weights in ("bf16", "fp32")
-                                             else "int8")
-        report["bytes_before"] += emb.weight.numel() * emb.weight.element_size()
-        report["bytes_after"] += sum(b.numel() * b.element_size() for b in qemb.buffers())
-    if calibration is not None and not calibrated:
-        report["calibration"] = ("not used: AWQ scale search applies to int4 weight-only, "
-                                 "SmoothQuant to int8 weights with int8 activations")
-    rows16_used = False
+
+def _lm_head(model: nn.Module, keep: tuple[str, ...]) -> Optional[nn.Linear]:
+    """The lm_head to quantize (None: kept); a tied one gets its own Linear over the
+    embedding's weight (the embedding stays)."""
+    if LM_HEAD in keep:
+        return None
+    out = getattr(model, "output", None)
+    if out is None:
+        emb = model.tok_embeddings.weight
+        out = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+        out.weight = emb
+    return out
+
+
+def _swap_linears(model: nn.Module, all_q: dict[str, nn.Linear], scheme: QuantScheme,
+                  acts: dict[str, torch.Tensor], qemb: Optional[QuantEmbedding],
+                  done: _Swapped) -> None:
+    """Replace each linear of all_q by its QuantLinear (searching its scale on its
+    calibration inputs, if any); accounts for each in `done`."""
     for name, lin in all_q.items():
-        scale, alpha = None, None
-        if name in acts and activations == "int8":
-            scale, alpha = smooth_search(lin.weight, acts[name])
-            report.setdefault("smooth_alpha", {})[name] = alpha
+        scale = None
+        if name in acts and scheme.activations == "int8":
+            scale, done.smooth_alpha[name] = smooth_search(lin.weight, acts[name])
         elif name in acts:
-            scale, alpha = awq_search(lin.weight, acts[name], weights, gs)
-            report["awq_alpha"][name] = alpha
+            scale, done.awq_alpha[name] = awq_search(lin.weight, acts[name], scheme.weights,
+                                                     scheme.group_size)
         if name == "output" and qemb is not None and scale is None \
                 and lin.weight is model.tok_embeddings.weight:
             # Tied: the head reads the embedding's table (int8 whatever the plan's scheme:
@@ -243,27 +323,21 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
             # weight-only head, which made the batch-32 step 1.4x slower.
             q = QuantLinear(formats.QuantizedWeight(qemb.scheme, qemb.qweight, qemb.scales,
                                                     None, None, tuple(lin.weight.shape)),
-                            activations=activations)
-            report["lm_head"] = f"{qemb.scheme} (the tied embedding's table)"
+                            activations=scheme.activations)
+            done.lm_head = f"{qemb.scheme} (the tied embedding's table)"
         else:
-            scheme = layer_scheme
-            if rows16 and not formats.fits_int4_a8(
+            layer = scheme.layer
+            if scheme.rows16 and not formats.fits_int4_a8(
                     lin.weight.detach().float() / (1 if scale is None else scale[None, :])):
-                scheme = "int4"
-                report.setdefault("int4_layout_kept", []).append(name)
-            rows16_used = rows16_used or scheme == "int4_a8"
-            q = QuantLinear.from_linear(lin, scheme, gs, scale, activations)
+                layer = "int4"
+                done.layout_kept.append(name)
+            done.rows16_used = done.rows16_used or layer == "int4_a8"
+            q = QuantLinear.from_linear(lin, layer, scheme.group_size, scale,
+                                        scheme.activations)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, q)
-        report["quantized"].append(name)
-        report["bytes_before"] += lin.weight.numel() * lin.weight.element_size()
+        done.quantized.append(name)
+        done.bytes_before += _nbytes([lin.weight])
         shared = qemb is not None and q.qweight is qemb.qweight
-        report["bytes_after"] += 0 if shared else sum(b.numel() * b.element_size()
-                                                      for b in q.buffers())
-    if qemb is not None:
-        model.tok_embeddings = qemb
-        report["quantized"].append("tok_embeddings")
-    if rows16 and not rows16_used:
-        report["scheme"] = "int4"   # not one linear fit the interleaved format
-    return report
+        done.bytes_after += 0 if shared else _nbytes(q.buffers())

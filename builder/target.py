@@ -15,6 +15,7 @@ import contextlib
 import os
 import platform
 
+from kiln.contracts.manifest import TargetSection
 from kiln.plugins import isa as cpu_isa
 
 
@@ -49,12 +50,12 @@ def resolve_level(name: str, spec_name: str = "", have: set[str] | None = None
     return level
 
 
-def cpu_target(level: cpu_isa.IsaLevel) -> dict:
+def cpu_target(level: cpu_isa.IsaLevel) -> TargetSection:
     """The manifest's `target` for a CPU plan compiled at `level`."""
-    return {"device": "cpu", "arch": platform.machine(), "isa": level.name,
-            "isa_flags": list(cpu_isa.compile_flags(level)),
-            "cpu_features": cpu_isa.compiler_features(level.flags),
-            "compute_capability": None}
+    return TargetSection(device="cpu", arch=platform.machine(), isa=level.name,
+                         isa_flags=tuple(cpu_isa.compile_flags(level)),
+                         cpu_features=tuple(cpu_isa.compiler_features(level.flags)),
+                         compute_capability=None)
 
 
 def _torch_vec_isa(level: cpu_isa.IsaLevel):

@@ -1,7 +1,8 @@
 """Torch-free contracts and constants shared by `kiln` (the CLI), `builder`, `runtime` and
-`plugins`: the plan manifest's type (kiln.contracts.manifest) and the facts each side must agree
-on. Importing this package imports nothing but the standard library, so the builder's quick
-up-to-date check and `kiln` commands that do not build stay fast.
+`plugins`: the plan manifest's type (kiln.contracts.manifest), what a plan check reports (the
+accuracy gate's score, kiln verify's report: kiln.contracts.reports) and the facts each side
+must agree on. Importing this package imports nothing but the standard library, so the
+builder's quick up-to-date check and `kiln` commands that do not build stay fast.
 """
 from __future__ import annotations
 

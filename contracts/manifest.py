@@ -12,10 +12,11 @@ writes. `from_json` validates every field and raises ManifestError naming the ba
 Torch-free, stdlib only: the builder's quick up-to-date check and `kiln inspect` read it
 without importing torch.
 
-Three sections stay open dicts because their schema lives with their writer: `spec` (the
-resolved spec, builder/spec.py `Spec.canonical()`), `model.config` (the architecture's
-config, builder/arch `LlamaConfig.to_dict()`; ModelSection.shape is its typed view) and
-`precision.quantization` (the quantizer's report).
+Two sections stay open dicts because their schema lives with their writer: `spec` (the
+resolved spec, builder/spec.py `Spec.canonical()`; `PlanManifest.golden` and the properties
+beside it are typed views of what the runtime reads from it) and `model.config` (the
+architecture's config, builder/arch `LlamaConfig.to_dict()`; ModelSection.shape is its typed
+view).
 """
 from __future__ import annotations
 
@@ -199,12 +200,49 @@ class ToolchainSection(_Section):
 
 
 @dataclass(frozen=True)
+class QuantizationRecord(_Section):
+    """precision.quantization: what the quantizer did (builder/quantize.py quantize_model).
+
+    Weights that are not packed record only `weights` and `scheme` (None). A packed record
+    always has the fields down to `bytes_after` (group_size and group_size_source possibly
+    null); the ones after are written only when set, so plan.json keeps the keys it had."""
+    weights: str                                  # the spec's precision.weights
+    scheme: Optional[str]                         # the linears' format (formats.SCHEMES,
+                                                  # int4_a8: the interleaved one); None: unpacked
+    group_size: Optional[int] = None              # int4 / int4_a8 group; None otherwise
+    group_size_source: Optional[str] = None       # spec | auto (int4); None otherwise
+    method: Optional[str] = None                  # none | rtn | awq | smoothquant
+    activations: Optional[str] = None             # float | int8-per-token-dynamic |
+                                                  # int8-per-group-32-dynamic
+    kept: Optional[tuple[str, ...]] = None        # keep_high_precision, sorted
+    quantized: Optional[tuple[str, ...]] = None   # modules swapped, in order
+    awq_alpha: Optional[dict[str, float]] = None  # linear -> the AWQ search's alpha
+    embedding: Optional[str] = None               # float | bf16 | fp32 | int8-per-row
+    bytes_before: Optional[int] = None            # the swapped modules' weights, float
+    bytes_after: Optional[int] = None             # the same, packed (a shared table once)
+    smooth_alpha: Optional[dict[str, float]] = None   # linear -> SmoothQuant's alpha (W8A8)
+    lm_head: Optional[str] = None                 # how a tied head was stored
+    int4_layout_kept: Optional[tuple[str, ...]] = None  # int4 linears left in [N, K/2]
+    fp8_compute: Optional[str] = None             # how the fp8 kernel computes
+    bf16_compute: Optional[str] = None            # how the bf16 kernel computes
+    calibration: Optional[str] = None             # why calibration text went unused
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in super().to_json().items() if v is not None}
+        out["scheme"] = self.scheme
+        if self.scheme is not None:
+            out.setdefault("group_size", None)
+            out.setdefault("group_size_source", None)
+        return out
+
+
+@dataclass(frozen=True)
 class PrecisionSection(_Section):
     """precision: the dtypes the plan computes in."""
     weights: str          # fp32 | bf16 | fp16 | fp8 | int8 | int4
     kv_cache: str         # the KV pool dtype (plugins/paged_kv/kv_format)
     activations: str
-    quantization: dict    # the quantizer's report (builder/quantize.py quantize_model)
+    quantization: QuantizationRecord   # the quantizer's report
 
 
 @dataclass(frozen=True)
@@ -268,8 +306,9 @@ class CheckSection(_Section):
 
 @dataclass(frozen=True)
 class AccuracyRecord(_Section):
-    """accuracy: the build's accuracy gate (builder/accuracy.py Gate.run), which `kiln verify`
-    re-runs (runtime/accuracy.py rerun_gate) against the same tokens and reference."""
+    """accuracy: the build's accuracy gate (builder/accuracy_reference.py Gate.record), which
+    `kiln verify` re-runs (runtime/accuracy_gate.py rerun_gate) against the same tokens and
+    reference. Its first seven fields are the gate's score (kiln.contracts.reports.GateScore)."""
     ppl: float                 # the compiled plan's perplexity on the evaluation tokens
     ref_ppl: float             # the unquantized eager model's
     ppl_increase: float        # ppl / ref_ppl - 1
@@ -277,7 +316,7 @@ class AccuracyRecord(_Section):
     top1_agreement: float      # fraction of positions whose argmax matches the reference's
     tokens: int                # positions scored
     passed: bool               # ppl_increase <= max_ppl_increase
-    text: str                  # the evaluation text's name (runtime/accuracy.py eval_text)
+    text: str                  # the evaluation text's name (runtime/accuracy_gate.py eval_text)
     text_sha256: str
     eval_tokens: int           # tokens taken from it
     ids_sha256: str
@@ -286,6 +325,28 @@ class AccuracyRecord(_Section):
     reference: str
     reference_top1: str        # the reference's top-1 predictions, a file of the plan
     reference_cached: bool
+
+
+@dataclass(frozen=True)
+class GoldenPrompt:
+    """A prompt `kiln verify` completes greedily: one of the spec's `golden` entries (read
+    from the recorded spec, builder/spec.py), or its default smoke prompt."""
+    prompt: str
+    chat: bool = False              # sent as one user message through the chat template
+    max_tokens: int = 16            # tokens generated
+    expected: Optional[str] = None  # the exact completion required (None: any)
+    default: bool = False           # kiln verify's smoke prompt (the spec has none)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "GoldenPrompt":
+        """One entry of the recorded spec's `golden` list."""
+        return cls(prompt=d["prompt"], chat=bool(d.get("chat")),
+                   max_tokens=int(d.get("max_tokens") or 16), expected=d.get("expected"))
+
+    @property
+    def key(self) -> str:
+        """How this prompt's output is matched with the same prompt's from another plan."""
+        return f"{'chat' if self.chat else 'text'}|{self.max_tokens}|{self.prompt}"
 
 
 @dataclass(frozen=True)
@@ -338,9 +399,9 @@ class PlanManifest(_Section):
         return (self.spec.get("target") or {}).get("isa", "auto")
 
     @property
-    def golden(self) -> list[dict]:
-        """The spec's golden prompts (prompt, chat, max_tokens, expected)."""
-        return list(self.spec.get("golden") or [])
+    def golden(self) -> tuple["GoldenPrompt", ...]:
+        """The spec's golden prompts."""
+        return tuple(GoldenPrompt.from_json(g) for g in self.spec.get("golden") or ())
 
     @property
     def golden_agreement(self) -> Optional[float]:

@@ -43,19 +43,19 @@ def plan_cmd(specs: Path = SPECS, store: Path = STORE, target: Optional[str] = T
     """Dry run: print what `kiln ci rebuild` would rebuild and why. Builds nothing."""
     from kiln.builder.plan_ci.pipeline import CIOptions, dry_run
 
-    data = dry_run(_specs(specs), CIOptions(store=store, full=full, target=target))
+    plan = dry_run(_specs(specs), CIOptions(store=store, full=full, target=target))
     if as_json:
-        typer.echo(json.dumps(data, indent=2, sort_keys=True))
+        typer.echo(json.dumps(plan.to_json(), indent=2, sort_keys=True))
         return
-    for s in data["specs"]:
-        label = s["name"] or s["spec_path"]
-        fp = f" {s['fingerprint'][:12]}" if s["fingerprint"] else ""
-        typer.echo(f"{s['action']:<6} {label}{fp}: {s['reason']}")
-        for c in s["changed"]:
-            typer.echo(f"         {c['input']}: {c['detail']}")
-        if s["error"]:
-            typer.echo("         " + s["error"].replace("\n", "\n         "))
-    c = data["counts"]
+    for a in plan.specs:
+        label = a.name or str(a.spec_path)
+        fp = f" {a.fingerprint[:12]}" if a.fingerprint else ""
+        typer.echo(f"{a.action:<6} {label}{fp}: {a.reason}")
+        for c in a.changed:
+            typer.echo(f"         {c.input}: {c.detail}")
+        if a.error:
+            typer.echo("         " + a.error.replace("\n", "\n         "))
+    c = plan.counts()
     typer.echo(f"{c['build']} to build, {c['reuse']} to reuse, {c['fail']} failing")
 
 

@@ -10,11 +10,13 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from kiln.builder.plan_ci.records import InputChange
 from kiln.builder.plan_ci.store import PlanStore
 from kiln.builder.spec import Spec, SpecError, load_spec
 from kiln.builder.uptodate import quick_up_to_date
@@ -26,6 +28,7 @@ REUSE, BUILD, FAIL = "reuse", "build", "fail"
 
 @dataclass
 class Assessment:
+    """What kiln ci does with one spec, and why."""
     spec_path: Path
     action: str                          # reuse | build | fail
     reason: str                          # one line for a person
@@ -33,14 +36,15 @@ class Assessment:
     device: Optional[str] = None         # the spec's target.device (CI runner choice)
     fingerprint: Optional[str] = None    # the plan this spec needs now
     previous: Optional[str] = None       # the spec's current plan before this run
-    changed: list[dict] = field(default_factory=list)   # [{"input": "spec", "detail": ...}]
+    changed: list[InputChange] = field(default_factory=list)   # fingerprint inputs changed
     error: Optional[str] = None
     spec: Optional[Spec] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         return {"spec_path": str(self.spec_path), "name": self.name, "device": self.device,
                 "action": self.action, "reason": self.reason, "fingerprint": self.fingerprint,
-                "previous": self.previous, "changed": self.changed, "error": self.error}
+                "previous": self.previous,
+                "changed": [dataclasses.asdict(c) for c in self.changed], "error": self.error}
 
 
 def find_specs(folder: str | os.PathLike) -> list[Path]:
@@ -83,7 +87,7 @@ def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
     elif prev_manifest is None:
         a.reason = f"the current plan {a.previous[:12]} is missing from the store"
     else:
-        a.reason = "changed: " + ", ".join(c["input"] for c in a.changed) if a.changed \
+        a.reason = "changed: " + ", ".join(c.input for c in a.changed) if a.changed \
             else "fingerprint changed"
     return a
 
@@ -111,7 +115,7 @@ def _fingerprint(spec: Spec) -> tuple[Optional[str], Optional[dict], Optional[st
     return fp, inputs, None
 
 
-def diff_inputs(prev_manifest: StoredPlan, inputs: dict, spec: Spec) -> list[dict]:
+def diff_inputs(prev_manifest: StoredPlan, inputs: dict, spec: Spec) -> list[InputChange]:
     """Which fingerprint inputs differ from the ones the previous plan was built from."""
     old = prev_manifest.fingerprint_inputs
     out = []
@@ -124,7 +128,7 @@ def diff_inputs(prev_manifest: StoredPlan, inputs: dict, spec: Spec) -> list[dic
             detail = f"sha256 {_short(old.get(key))} -> {_short(inputs.get(key))}"
         else:
             detail = _diff_values(old.get(key) or {}, inputs.get(key) or {})
-        out.append({"input": key, "detail": detail or "changed"})
+        out.append(InputChange(key, detail or "changed"))
     return out
 
 

@@ -10,6 +10,7 @@ with its message and its current plan stays current; the others go on.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import sys
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, TextIO
 
-from kiln.builder.plan_ci.assess import BUILD, FAIL, Assessment, assess
+from kiln.builder.plan_ci.assess import BUILD, FAIL, REUSE, Assessment, assess
+from kiln.builder.plan_ci.records import BuildOutcome, PlanRecord
 from kiln.builder.plan_ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
 from kiln.builder.plan_ci.store import PlanStore
+from kiln.contracts.reports import VerifyReport
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = Non
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     store = PlanStore(opts.store)
     results: dict[int, SpecResult] = {}
-    jobs: list[tuple[int, Assessment, dict]] = []
+    jobs: list[tuple[int, Assessment, dict]] = []   # build_and_verify's keyword arguments
     for i, a in enumerate(assess_all(spec_paths, opts)):
         label = a.name or str(a.spec_path)
         if a.action == FAIL:
@@ -74,30 +77,52 @@ def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = Non
                      time.perf_counter() - t0, started, _toolchain(), opts.target)
 
 
-def dry_run(spec_paths: list[Path], opts: CIOptions) -> dict:
-    """What `rebuild` would do, as data: per spec, plus the targets that need a build (a
-    CI matrix) and a cache key (changes whenever any spec's fingerprint does)."""
-    import hashlib
-    import json
+@dataclass(frozen=True)
+class DryRun:
+    """What `rebuild` would do (kiln ci plan): per spec, the targets that need a build (a CI
+    matrix) and a cache key (changes whenever any spec's fingerprint does)."""
+    specs: tuple[Assessment, ...]
+    store: str
 
-    assessments = assess_all(spec_paths, opts)
-    specs = [a.to_json() for a in assessments]
-    build_targets = sorted({a.device for a in assessments if a.action == BUILD and a.device})
-    all_targets = sorted({a.device for a in assessments if a.device})
-    key_data = sorted((a.name or str(a.spec_path), a.fingerprint or a.action)
-                      for a in assessments)
-    return {"specs": specs, "store": str(opts.store),
-            "counts": {k: sum(a.action == k for a in assessments) for k in ("reuse", BUILD, FAIL)},
-            "build_targets": build_targets, "targets": all_targets,
-            "matrix": {"include": [{"target": t} for t in all_targets]},
-            "cache_key": hashlib.sha256(json.dumps(key_data).encode()).hexdigest()[:32]}
+    def counts(self) -> dict[str, int]:
+        return {k: sum(a.action == k for a in self.specs) for k in (REUSE, BUILD, FAIL)}
+
+    @property
+    def build_targets(self) -> list[str]:
+        return sorted({a.device for a in self.specs if a.action == BUILD and a.device})
+
+    @property
+    def targets(self) -> list[str]:
+        return sorted({a.device for a in self.specs if a.device})
+
+    @property
+    def cache_key(self) -> str:
+        import hashlib
+        import json
+
+        key_data = sorted((a.name or str(a.spec_path), a.fingerprint or a.action)
+                          for a in self.specs)
+        return hashlib.sha256(json.dumps(key_data).encode()).hexdigest()[:32]
+
+    def to_json(self) -> dict:
+        """kiln ci plan --json."""
+        return {"specs": [a.to_json() for a in self.specs], "store": self.store,
+                "counts": self.counts(), "build_targets": self.build_targets,
+                "targets": self.targets,
+                "matrix": {"include": [{"target": t} for t in self.targets]},
+                "cache_key": self.cache_key}
 
 
-def _reference(store: PlanStore, fp: Optional[str]) -> Optional[dict]:
-    """golden_key -> token ids of the current plan (for golden_agreement), if recorded."""
+def dry_run(spec_paths: list[Path], opts: CIOptions) -> DryRun:
+    """What `rebuild` would do, and why, for every spec; builds nothing."""
+    return DryRun(tuple(assess_all(spec_paths, opts)), str(opts.store))
+
+
+def _reference(store: PlanStore, fp: Optional[str]) -> Optional[dict[str, list[int]]]:
+    """GoldenPrompt.key -> token ids of the current plan (for golden_agreement), if recorded."""
     rec = store.record(fp) if fp else None
-    golden = ((rec or {}).get("verify") or {}).get("golden") or []
-    return {g["key"]: g["token_ids"] for g in golden if g.get("key") and g.get("token_ids")}
+    golden = rec.verify.golden if rec and rec.verify else ()
+    return {g.key: list(g.token_ids) for g in golden if g.key and g.token_ids}
 
 
 def _run_jobs(jobs, n: int):
@@ -119,8 +144,8 @@ def _run_jobs(jobs, n: int):
             try:
                 out = f.result()
             except Exception as e:   # the worker died
-                out = {"ok": False, "error": f"build worker failed: {type(e).__name__}: {e}",
-                       "staging": None}
+                out = BuildOutcome(False, None,
+                                   error=f"build worker failed: {type(e).__name__}: {e}")
             yield i, a, out
 
 
@@ -130,22 +155,21 @@ def _worker_init(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) -> dict:
-    """Build the spec into staging/plan and verify it there. Returns plain data (it may
-    cross a process boundary); never raises."""
+def build_and_verify(spec_path: str, staging: str,
+                     reference: Optional[dict[str, list[int]]]) -> BuildOutcome:
+    """Build the spec into staging/plan and verify it there (the outcome may cross a process
+    boundary: pickled); never raises."""
     from kiln.builder.build import build
     from kiln.builder.progress import Progress
 
-    out: dict = {"ok": False, "staging": staging}
     try:
         res = build(spec_path, Path(staging) / "plan", force=True,
                     progress=Progress(enabled=False))
-        out.update(fingerprint=res.fingerprint, build_seconds=res.seconds,
-                   plan_bytes=res.manifest.total_bytes,
-                   measured_accuracy=res.manifest.to_json()["accuracy"])
     except Exception as e:
-        out["error"] = _message(e)
-        return out
+        return BuildOutcome(False, staging, error=_message(e))
+    built = BuildOutcome(False, staging, fingerprint=res.fingerprint, build_seconds=res.seconds,
+                         plan_bytes=res.manifest.total_bytes,
+                         measured_accuracy=res.manifest.accuracy)
     t = time.perf_counter()
     try:
         from kiln.runtime.plan import load_plan
@@ -153,13 +177,10 @@ def build_and_verify(spec_path: str, staging: str, reference: Optional[dict]) ->
 
         report = verify_plan(load_plan(res.path), reference)
     except Exception as e:
-        out["error"] = f"verify: {_message(e)}"
-        return out
-    out.update(ok=report.ok, verify_seconds=time.perf_counter() - t, verify_text=report.text,
-               verify=report.details)
-    if not report.ok:
-        out["error"] = "verification failed:\n" + report.text
-    return out
+        return dataclasses.replace(built, error=f"verify: {_message(e)}")
+    return dataclasses.replace(
+        built, ok=report.ok, verify_seconds=time.perf_counter() - t, verify_text=report.text,
+        verify=report, error=None if report.ok else "verification failed:\n" + report.text)
 
 
 def _message(e: BaseException) -> str:
@@ -181,22 +202,22 @@ def _message(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def _publish(store: PlanStore, a: Assessment, out: dict, keep: int, log: TextIO) -> SpecResult:
-    staging = Path(out["staging"]) if out.get("staging") else None
+def _publish(store: PlanStore, a: Assessment, out: BuildOutcome, keep: int,
+             log: TextIO) -> SpecResult:
+    staging = Path(out.staging) if out.staging else None
     try:
-        if not out.get("ok"):
+        if not out.ok:
             print(f"{a.name}: FAILED; current plan unchanged"
                   f"{f' ({a.previous[:12]})' if a.previous else ''}", file=log)
-            return _result(a, FAILED, out, error=out.get("error"))
-        fp = out["fingerprint"]
-        if out.get("verify_text"):   # name the plan where it will be, not where it was built
-            out["verify_text"] = out["verify_text"].replace(str(staging / "plan"),
-                                                            str(store.plan_dir(fp)))
-        store.add_plan(staging / "plan", fp, {
-            "name": a.name, "spec_path": str(a.spec_path), "reason": a.reason,
-            "changed": a.changed, "previous": a.previous,
-            "build_seconds": out.get("build_seconds"), "verify": out.get("verify"),
-            "verify_text": out.get("verify_text")})
+            return _result(a, FAILED, out, error=out.error)
+        fp = out.fingerprint
+        if out.verify_text:   # name the plan where it will be, not where it was built
+            out = dataclasses.replace(out, verify_text=out.verify_text.replace(
+                str(staging / "plan"), str(store.plan_dir(fp))))
+        store.add_plan(staging / "plan", fp, PlanRecord(
+            name=a.name, spec_path=str(a.spec_path), reason=a.reason, changed=tuple(a.changed),
+            previous=a.previous, build_seconds=out.build_seconds, verify=out.verify,
+            verify_text=out.verify_text))
         store.set_current(a.name, fp)
         removed = store.prune(a.name, keep)
         print(f"{a.name}: published {fp[:12]}"
@@ -209,39 +230,38 @@ def _publish(store: PlanStore, a: Assessment, out: dict, keep: int, log: TextIO)
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _result(a: Assessment, status: str, out: Optional[dict] = None,
+def _result(a: Assessment, status: str, out: Optional[BuildOutcome] = None,
             error: Optional[str] = None) -> SpecResult:
-    out = out or {}
-    verify = out.get("verify") or {}
+    out = out or BuildOutcome(False, None)
+    verify = out.verify
     return SpecResult(
         spec_path=str(a.spec_path), status=status, reason=a.reason, name=a.name,
         device=a.device, fingerprint=None if status == FAILED else a.fingerprint,
-        previous=a.previous, changed=a.changed, build_seconds=out.get("build_seconds"),
-        verify_seconds=out.get("verify_seconds"), plan_bytes=out.get("plan_bytes"),
-        accuracy=(verify.get("accuracy") or {}).get("summary"),
-        verify=_verify_line(verify) if verify else None,
-        verify_text=out.get("verify_text"), error=error)
+        previous=a.previous, changed=a.changed, build_seconds=out.build_seconds,
+        verify_seconds=out.verify_seconds, plan_bytes=out.plan_bytes,
+        accuracy=_accuracy_summary(verify), verify=_verify_line(verify) if verify else None,
+        verify_text=out.verify_text, error=error)
 
 
-def _verify_line(details: dict) -> str:
-    golden = details.get("golden") or []
-    good = sum(g["ok"] for g in golden)
-    parts = [f"golden {good}/{len(golden)}"]
-    agreement = details.get("agreement") or {}
-    if agreement.get("value") is not None:
-        parts.append(f"agreement {agreement['value']:.2f} (min {agreement['minimum']:.2f})")
-    ok = all(g["ok"] for g in golden) and agreement.get("ok", True) \
-        and (details.get("accuracy") or {}).get("ok", True)
-    return ("ok: " if ok else "FAILED: ") + ", ".join(parts)
+def _accuracy_summary(verify: Optional[VerifyReport]) -> Optional[str]:
+    return verify.accuracy.summary if verify and verify.accuracy else None
+
+
+def _verify_line(report: VerifyReport) -> str:
+    good = sum(g.ok for g in report.golden)
+    parts = [f"golden {good}/{len(report.golden)}"]
+    agreement = report.agreement
+    if agreement is not None and agreement.value is not None:
+        parts.append(f"agreement {agreement.value:.2f} (min {agreement.minimum:.2f})")
+    return ("ok: " if report.parts_ok else "FAILED: ") + ", ".join(parts)
 
 
 def _reused(store: PlanStore, a: Assessment) -> SpecResult:
     res = _result(a, REUSED)
     m = store.manifest(a.fingerprint)
     res.plan_bytes = (sum(size or 0 for size in m.file_sizes.values()) or None) if m else None
-    rec = store.record(a.fingerprint) or {}
-    verify = rec.get("verify") or {}
-    res.accuracy = (verify.get("accuracy") or {}).get("summary")
+    rec = store.record(a.fingerprint)
+    res.accuracy = _accuracy_summary(rec.verify) if rec else None
     res.verify = "verified when published" if rec else None
     if a.previous == a.fingerprint:
         res.previous = None       # nothing moved

@@ -6,11 +6,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from kiln.builder.plan_ci.records import InputChange
+
 REBUILT, REUSED, FAILED = "rebuilt", "reused", "failed"
 
 
 @dataclass
 class SpecResult:
+    """One spec's line of the kiln ci report."""
     spec_path: str
     status: str                              # rebuilt | reused | failed
     reason: str                              # why it was rebuilt / reused / what failed
@@ -18,7 +21,7 @@ class SpecResult:
     device: Optional[str] = None
     fingerprint: Optional[str] = None        # the current plan after this run
     previous: Optional[str] = None           # the current plan before this run
-    changed: list[dict] = field(default_factory=list)   # [{"input", "detail"}]
+    changed: list[InputChange] = field(default_factory=list)   # fingerprint inputs changed
     build_seconds: Optional[float] = None
     verify_seconds: Optional[float] = None
     plan_bytes: Optional[int] = None
@@ -34,6 +37,7 @@ class SpecResult:
 
 @dataclass
 class RunReport:
+    """The kiln ci rebuild run: to_json is `kiln ci rebuild --json`'s file."""
     specs: list[SpecResult]
     store: str
     seconds: float
@@ -77,7 +81,7 @@ def _why(s: SpecResult) -> str:
         first = (s.error or s.reason).strip().splitlines()[0] if (s.error or s.reason) else ""
         return first
     if s.changed:
-        return "; ".join(f"**{c['input']}**: {c['detail']}" for c in s.changed)
+        return "; ".join(f"**{c.input}**: {c.detail}" for c in s.changed)
     return s.reason
 
 

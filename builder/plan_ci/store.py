@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from kiln.builder.plan_ci.records import PlanRecord
 from kiln.contracts import MANIFEST_FILE as MANIFEST
 from kiln.contracts.manifest import StoredPlan
 
@@ -91,8 +92,9 @@ class PlanStore:
         return all((d / rel).is_file() and (d / rel).stat().st_size == size
                    for rel, size in m.file_sizes.items())
 
-    def record(self, fp: str) -> Optional[dict]:
-        return _read_json(self.records / f"{fp}.json")
+    def record(self, fp: str) -> Optional[PlanRecord]:
+        """What kiln ci recorded when it published plan fp (None: no record)."""
+        return PlanRecord.from_json(_read_json(self.records / f"{fp}.json"))
 
     def pointer(self, name: str) -> Optional[Pointer]:
         data = _read_json(self.current_dir / f"{name}.json")
@@ -119,8 +121,8 @@ class PlanStore:
                 if m and m.name == name:
                     found.append((d.name, m))
         def published(item) -> tuple:
-            rec = self.record(item[0]) or {}
-            return (item[1].created_at, rec.get("published_at", 0.0))
+            rec = self.record(item[0])
+            return (item[1].created_at, rec.published_at if rec else 0.0)
         return sorted(found, key=published, reverse=True)
 
     # ---- writing --------------------------------------------------------------------------------
@@ -129,9 +131,10 @@ class PlanStore:
         self.staging.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(dir=self.staging, prefix=f"{name}-"))
 
-    def add_plan(self, plan_dir: Path, fp: str, record: dict) -> Path:
+    def add_plan(self, plan_dir: Path, fp: str, record: PlanRecord) -> Path:
         """Move a verified plan into plans/<fp>/ (its record first). Returns its path."""
-        write_json_atomic(self.records / f"{fp}.json", {**record, "published_at": time.time()})
+        write_json_atomic(self.records / f"{fp}.json",
+                          dataclasses.replace(record, published_at=time.time()).to_json())
         dst = self.plan_dir(fp)
         self.plans.mkdir(parents=True, exist_ok=True)
         if self.has(fp):               # same fingerprint = same plan: keep the one there

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kiln.contracts.manifest import PlanManifest
+from kiln.contracts.manifest import PlanManifest, QuantizationRecord
 from kiln.plugins.paged_kv import kv_format
 
 
@@ -71,12 +71,12 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-def _scheme(q: dict) -> str:
+def _scheme(q: QuantizationRecord) -> str:
     """The quantizer's format, group and method, where they say more than the weights dtype
     (int4_a8: the integer kernels' interleaved format; an int4 group size; awq / smoothquant)."""
-    parts = [q["scheme"]] if q.get("scheme") not in (None, q.get("weights")) else []
-    parts += [f"group {q['group_size']}"] if q.get("group_size") else []
-    parts += [q["method"]] if q.get("method") not in (None, "rtn", "none") else []
-    kept = q.get("int4_layout_kept") or []
+    parts = [q.scheme] if q.scheme not in (None, q.weights) else []
+    parts += [f"group {q.group_size}"] if q.group_size else []
+    parts += [q.method] if q.method not in (None, "rtn", "none") else []
+    kept = q.int4_layout_kept or ()
     parts += [f"{len(kept)} linear(s) in the int4 [N, K/2] layout"] if kept else []
     return f" ({', '.join(parts)})" if parts else ""

@@ -1,4 +1,5 @@
 """The build pipeline on a tiny random model: plan layout, caching, refusals, fingerprints."""
+import dataclasses
 import json
 import os
 import shutil
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kiln.builder.build import build
-from kiln.builder.fingerprint import fingerprint, fingerprint_inputs
+from kiln.builder.fingerprint import build_target, fingerprint, fingerprint_inputs
 from kiln.builder.spec import load_spec, parse_spec
 from kiln.runtime.executor import Executor, ModelInput
 from kiln.runtime.plan import PlanError, load_plan
@@ -272,7 +273,8 @@ def test_fingerprint_changes_with_every_input(tiny_spec_path):
         changed = parse_spec(text.replace(old, new))
         assert fingerprint(fingerprint_inputs(changed, "w" * 64)) != fp, old
     assert fingerprint(fingerprint_inputs(spec, "x" * 64)) != fp            # weights
-    other_target = dict(base["target"], isa="avx512")
+    other_target = dataclasses.replace(build_target(spec), isa="avx512")
+    assert other_target.to_json() == dict(base["target"], isa="avx512")
     assert fingerprint(fingerprint_inputs(spec, "w" * 64, target=other_target)) != fp
     tools = {"kiln": "9.9.9", "torch": torch.__version__, "python": "3.11"}
     assert fingerprint(fingerprint_inputs(spec, "w" * 64, tools=tools)) != fp

@@ -27,6 +27,7 @@ from typer.testing import CliRunner
 
 from kiln.builder.plan_ci.assess import find_specs
 from kiln.builder.plan_ci.pipeline import CIOptions, rebuild
+from kiln.builder.plan_ci.records import InputChange
 from kiln.builder.plan_ci.report import render_markdown
 from kiln.builder.plan_ci.store import PlanStore
 from kiln.cli import app
@@ -196,7 +197,7 @@ def test_dry_run_cli_imports_no_torch(repo):
 def test_edit_one_spec_rebuilds_exactly_it(repo):
     old_b = repo.store.current("tiny-b")
     rec = repo.store.record(old_b)
-    hello = rec["verify"]["golden"][0]["text"]
+    hello = rec.verify.golden[0].text
     # same numerics (only the batch limit changes), so the golden tokens must agree exactly
     repo.write_spec("b", spec_text("tiny-b", "../ckpt", batch=3, extra="golden_agreement: 1.0\n")
                     .replace('max_tokens: 6\n', f'max_tokens: 6\n    expected: {json.dumps(hello)}\n'))
@@ -205,8 +206,8 @@ def test_edit_one_spec_rebuilds_exactly_it(repo):
     assert {n: s.status for n, s in res.items()} == {
         "tiny-a": "reused", "tiny-b": "rebuilt", "tiny-c": "reused"}, report.log
     b = res["tiny-b"]
-    assert [c["input"] for c in b.changed] == ["spec"]
-    assert "limits.max_batch_size: 4 -> 3" in b.changed[0]["detail"]
+    assert [c.input for c in b.changed] == ["spec"]
+    assert "limits.max_batch_size: 4 -> 3" in b.changed[0].detail
     assert b.previous == old_b and repo.store.current("tiny-b") == b.fingerprint != old_b
     assert "agreement 1.00 (min 1.00)" in b.verify
     assert "matches expected" in b.verify_text
@@ -232,7 +233,7 @@ def test_replaced_weights_rebuild_the_specs_using_them(repo):
     assert {n: s.status for n, s in res.items()} == {
         "tiny-a": "reused", "tiny-b": "rebuilt", "tiny-c": "rebuilt"}, report.log
     for n in ("tiny-b", "tiny-c"):
-        assert [c["input"] for c in res[n].changed] == ["weights"]
+        assert [c.input for c in res[n].changed] == ["weights"]
     assert "**weights**: sha256" in render_markdown(report)
 
 
@@ -244,7 +245,7 @@ def test_toolchain_change_rebuilds_all(repo, monkeypatch):
     report = repo.run(full=True)
     assert {s.status for s in report.specs} == {"rebuilt"}, report.log
     for s in report.specs:
-        assert s.changed == [{"input": "toolchain", "detail": f"kiln: '{kiln.__version__}' -> '9.9.9-test'"}]
+        assert s.changed == [InputChange("toolchain", f"kiln: '{kiln.__version__}' -> '9.9.9-test'")]
 
 
 def test_bad_spec_and_bad_checkpoint_fail_alone(repo):

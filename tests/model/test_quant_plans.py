@@ -101,13 +101,13 @@ def test_plan_generates(quant_plans, prec):
 
 
 def test_rerun_gate_matches_the_build(quant_plans):
-    from kiln.runtime.accuracy import rerun_gate
+    from kiln.runtime.accuracy_gate import rerun_gate
     from kiln.runtime.tools.verify import verify_plan
 
     plan = load_plan(quant_plans["int8"])
     got = rerun_gate(plan)
-    assert got["ok"] and abs(got["drift"]) < 1e-3
-    assert got["ppl"] == pytest.approx(plan.manifest.accuracy.ppl, rel=1e-3)
+    assert got.ok and abs(got.drift) < 1e-3
+    assert got.ppl == pytest.approx(plan.manifest.accuracy.ppl, rel=1e-3)
     report = verify_plan(plan)
     assert report.ok and "accuracy: passed" in report.text
 
@@ -121,7 +121,7 @@ def test_inspect_shows_accuracy(quant_plans):
 
 
 def test_reference_is_cached(tmp_path, monkeypatch):
-    from kiln.builder.accuracy import Gate
+    from kiln.builder.accuracy_reference import Gate
     from kiln.builder.sources import open_checkpoint
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

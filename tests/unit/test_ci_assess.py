@@ -6,8 +6,8 @@ import pytest
 
 from kiln.builder.plan_ci.assess import diff_inputs
 from kiln.builder.spec import SpecError, parse_spec
-from kiln.contracts.manifest import StoredPlan
-from kiln.runtime.tools.verify import golden_key, golden_prompts, token_agreement
+from kiln.contracts.manifest import GoldenPrompt, StoredPlan
+from kiln.runtime.tools.verify import golden_prompts, token_agreement
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +39,7 @@ def test_diff_names_each_changed_input():
     new = {**INPUTS, "spec": "s2", "weights": "v" * 64,
            "toolchain": {"kiln": "0.2.0", "torch": "2.13.0"},
            "target": {**INPUTS["target"], "isa": "avx512"}}
-    got = {c["input"]: c["detail"] for c in diff_inputs(prev, new, new_spec)}
+    got = {c.input: c.detail for c in diff_inputs(prev, new, new_spec)}
     assert list(got) == ["spec", "weights", "toolchain", "target"]
     assert "limits.max_batch_size: 4 -> 2" in got["spec"]
     assert "golden[0]: (unset) -> {'prompt': 'hi'" in got["spec"]
@@ -55,7 +55,7 @@ def test_token_agreement_and_golden_keys():
     assert token_agreement([[1, 2]], [[1, 2, 3, 4]]) == 0.5        # a shorter output counts
     assert token_agreement([], []) == 1.0
     manifest = {"spec": {"golden": [{"prompt": "hi", "chat": True, "max_tokens": 3}]}}
-    g = golden_prompts(manifest["spec"]["golden"])
-    assert g == [{"prompt": "hi", "chat": True, "max_tokens": 3, "expected": None}]
-    assert golden_key(g[0]) == "chat|3|hi"
-    assert golden_prompts([])[0].get("default") is True
+    g = golden_prompts(tuple(GoldenPrompt.from_json(d) for d in manifest["spec"]["golden"]))
+    assert g == [GoldenPrompt(prompt="hi", chat=True, max_tokens=3, expected=None)]
+    assert g[0].key == "chat|3|hi"
+    assert golden_prompts(())[0].default is True

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kiln.builder.plan_ci.records import InputChange
 from kiln.builder.plan_ci.report import RunReport, SpecResult, human_bytes, render_markdown
 
 pytestmark = pytest.mark.unit
@@ -16,8 +17,8 @@ def sample() -> RunReport:
     return RunReport(specs=[
         SpecResult("model_specs/a.yaml", "rebuilt", "changed: spec, weights", name="a",
                    device="cpu", fingerprint=FP2, previous=FP1,
-                   changed=[{"input": "spec", "detail": "limits.max_seq_len: 256 -> 128"},
-                            {"input": "weights", "detail": "sha256 111111111111 -> 222222222222"}],
+                   changed=[InputChange("spec", "limits.max_seq_len: 256 -> 128"),
+                            InputChange("weights", "sha256 111111111111 -> 222222222222")],
                    build_seconds=12.34, verify_seconds=1.0, plan_bytes=3 * 2**20,
                    accuracy="not applicable (the plan has no accuracy gate)",
                    verify="ok: golden 2/2", verify_text="golden 1/2 'hi': ok\nresult: ok"),

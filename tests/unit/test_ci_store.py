@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from kiln.builder.plan_ci.records import PlanRecord
 from kiln.builder.plan_ci.store import PlanStore, StoreError
 
 pytestmark = pytest.mark.unit
@@ -16,7 +17,7 @@ def fake_plan(store: PlanStore, name: str, fp: str, created: str) -> None:
     (d / "plan.json").write_text(json.dumps({
         "name": name, "fingerprint": fp, "created_at": created,
         "files": {"engine.pt2": {"size": 10, "sha256": "0" * 64}}}))
-    store.add_plan(d, fp, {"name": name})
+    store.add_plan(d, fp, PlanRecord(name=name))
     assert not d.exists()
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kiln.contracts import PLAN_FORMAT_VERSION, FieldError
-from kiln.contracts.manifest import ManifestError, PlanManifest
+from kiln.contracts.manifest import GoldenPrompt, ManifestError, PlanManifest
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +50,28 @@ def test_round_trip_is_exact_and_typed():
     assert json.loads(m.dumps()) == MANIFEST
     assert m.limits.max_seq_len == 256 and m.engine.kernels == ("kernels/k.so",)
     assert m.model.shape.num_kv_heads == 2 and m.files["engine.pt2"].size == 3
-    assert m.pinned_isa == "avx2" and m.golden == [{"prompt": "hi"}] and m.total_bytes == 7
+    assert m.pinned_isa == "avx2" and m.golden == (GoldenPrompt(prompt="hi"),) \
+        and m.total_bytes == 7
+
+
+def test_quantization_record_keeps_the_keys_it_was_written_with():
+    """A packed record always has its core keys (group_size null for int8) and the others
+    only when set: the round trip is exact either way; an unknown key is named."""
+    int8 = {"weights": "int8", "scheme": "int8", "group_size": None, "group_size_source": None,
+            "method": "rtn", "activations": "float", "kept": [], "quantized": ["w1", "output"],
+            "awq_alpha": {}, "embedding": "int8-per-row", "bytes_before": 8, "bytes_after": 2}
+    int4 = {**int8, "weights": "int4", "scheme": "int4_a8", "group_size": 32,
+            "group_size_source": "auto", "method": "awq", "awq_alpha": {"w1": 0.5},
+            "int4_layout_kept": ["w2"], "calibration": "not used"}
+    for q in (int8, int4):
+        data = copy.deepcopy(MANIFEST)
+        data["precision"]["quantization"] = q
+        m = PlanManifest.from_json(data)
+        assert m.to_json() == data
+    assert m.precision.quantization.int4_layout_kept == ("w2",)
+    data["precision"]["quantization"] = {**int8, "bogus": 1}
+    with pytest.raises(ManifestError, match=r"precision\.quantization\.bogus"):
+        PlanManifest.from_json(data)
 
 
 @pytest.mark.parametrize("edit,field", [

@@ -167,12 +167,12 @@ def test_quantize_model_swaps_linears_and_keeps_outputs_close(scheme):
     model = _tiny_llama()
     ref = _run(model)
     report = quantize_model(model, scheme, calibration=_run if scheme == "int4" else None)
-    assert len(report["quantized"]) == 8 and "output" not in report["quantized"]
+    assert len(report.quantized) == 8 and "output" not in report.quantized
     assert isinstance(model.layers[0].feed_forward.w2, QuantLinear)
     assert model.output is None                                  # lm_head kept (tied)
-    assert report["group_size"] == (32 if scheme == "int4" else None)   # largest dividing 64, 96
-    assert report["method"] == ("awq" if scheme == "int4" else "rtn")
-    assert report["bytes_after"] < report["bytes_before"]
+    assert report.group_size == (32 if scheme == "int4" else None)   # largest dividing 64, 96
+    assert report.method == ("awq" if scheme == "int4" else "rtn")
+    assert report.bytes_after < report.bytes_before
     out = _run(model)
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < {"int8": 0.02, "fp8": 0.06, "int4": 0.25, "bf16": 0.005}[scheme], rel
@@ -184,12 +184,12 @@ def test_bf16_model_stores_every_weight_bf16_and_the_tied_head_shares_the_table(
     model = _tiny_llama()
     ref = _run(model)
     report = quantize_model(model, "bf16", keep_high_precision=())
-    assert report["embedding"] == "bf16" and report["bf16_compute"] == "upcast-fp32"
+    assert report.embedding == "bf16" and report.bf16_compute == "upcast-fp32"
     assert isinstance(model.tok_embeddings, QuantEmbedding)
     assert model.tok_embeddings.qweight.dtype == torch.bfloat16
     assert model.output.qweight is model.tok_embeddings.qweight
-    assert report["lm_head"] == "bf16 (the tied embedding's table)"
-    assert report["bytes_after"] * 2 <= report["bytes_before"]
+    assert report.lm_head == "bf16 (the tied embedding's table)"
+    assert report.bytes_after * 2 <= report.bytes_before
     out = _run(model)
     assert ((out - ref).norm() / ref.norm()).item() < 0.005
 
@@ -222,7 +222,7 @@ def test_int4_linear_beyond_float16_keeps_the_nk2_layout_alone(via, monkeypatch)
         monkeypatch.setattr(bq, "awq_search", search)
         calibration = _run
     report = bq.quantize_model(model, "int4", calibration=calibration)
-    assert report["scheme"] == "int4_a8" and report["int4_layout_kept"] == [odd]
+    assert report.scheme == "int4_a8" and report.int4_layout_kept == (odd,)
     q = model.get_submodule(odd)
     assert q.scheme == "int4" and q.group_size == 32
     assert model.layers[0].attention.wo.scheme == "int4_a8"
@@ -248,7 +248,7 @@ def test_quantize_model_lm_head_and_keep_list():
     assert isinstance(model.output, QuantLinear)             # tied head got a quantized copy
     assert isinstance(model.tok_embeddings, torch.nn.Embedding)
     assert not isinstance(model.layers[1].feed_forward.w2, QuantLinear)
-    assert "output" in report["quantized"]
+    assert "output" in report.quantized
     with pytest.raises(ValueError, match="nope"):
         quantize_model(_tiny_llama(), "int8", keep_high_precision=("embed", "lm_head", "nope"))
 

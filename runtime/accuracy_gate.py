@@ -1,4 +1,10 @@
-"""The accuracy gate's measurement: perplexity and top-1 predictions of a plan's engine.
+"""The accuracy gate's evaluation: perplexity and top-1 predictions of a plan's engine.
+
+This side owns what `kiln verify` re-runs on a serving host (which has only the runtime): the
+evaluation text and tokens, the scoring of a step function over them, the score against a
+reference (`score` -> GateScore) and the re-run against what the build recorded
+(`rerun_gate` -> GateRerun). The reference itself (the eager fp32 model of the checkpoint)
+and the build's verdict are the builder's: builder/accuracy_reference.py.
 
 The evaluation text needs no download: `pydoc` is Python's own pydoc_data/topics.py (the
 help() topics, ~750 KB of English and code), joined in sorted topic order. It is tokenized
@@ -14,23 +20,22 @@ ModelInput.build like any serving step, asking for the logits of every position 
     logits_indices = 0 .. W-2    -> W - 1 rows: row p predicts t_{p+1}
 
 The KV pool is the plan's dtype, sized for one window (block 0 unused). `evaluate` takes any
-step function: builder/accuracy.py scores the unquantized reference (the eager fp32 model)
-and the compiled plan through it and gates the build; `kiln verify` re-runs the plan side
-here (`rerun_gate`) against the reference recorded in the manifest (runtime never imports
-the builder).
+step function: the compiled plan's, or the eager model's (the builder's reference and AWQ
+calibration).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from kiln.plugins.paged_kv import kv_format
+from kiln.contracts.reports import GateRerun, GateScore
 from kiln.runtime.executor import Executor, KVLayout, ModelInput
 from kiln.runtime.plan import Plan, load_step_fn
 
@@ -139,24 +144,17 @@ def read_top1(data: bytes) -> list[int]:
     return list(struct.unpack(f"<{len(data) // 4}i", data))
 
 
-def summarize(plan_res: EvalResult, ref_ppl: float, ref_top1: Sequence[int],
-              max_ppl_increase: float) -> dict:
-    """The manifest's accuracy numbers for a plan measured against its reference."""
+def score(plan_res: EvalResult, ref_ppl: float, ref_top1: Sequence[int],
+          max_ppl_increase: float) -> GateScore:
+    """A plan's result measured against its reference's."""
     increase = plan_res.ppl / ref_ppl - 1.0
-    return {"ppl": plan_res.ppl, "ref_ppl": ref_ppl, "ppl_increase": increase,
-            "max_ppl_increase": max_ppl_increase,
-            "top1_agreement": agreement(plan_res.top1, ref_top1),
-            "tokens": plan_res.count, "passed": increase <= max_ppl_increase}
+    return GateScore(ppl=plan_res.ppl, ref_ppl=ref_ppl, ppl_increase=increase,
+                     max_ppl_increase=max_ppl_increase,
+                     top1_agreement=agreement(plan_res.top1, ref_top1),
+                     tokens=plan_res.count, passed=increase <= max_ppl_increase)
 
 
-def describe(acc: dict) -> str:
-    return (f"ppl {acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized "
-            f"({acc['ppl_increase']:+.2%}, limit {acc['max_ppl_increase']:.2%}), top-1 "
-            f"agreement {acc['top1_agreement']:.2%} on {acc['tokens']} tokens of "
-            f"{acc.get('text', '?')}")
-
-
-def rerun_gate(plan: Plan, step_fn=None) -> dict:
+def rerun_gate(plan: Plan, step_fn=None) -> GateRerun:
     """Re-measure the plan's ppl and top-1 agreement on the recorded evaluation tokens.
 
     The baseline is what the build recorded: ref_ppl and the reference's top-1 predictions
@@ -182,29 +180,11 @@ def rerun_gate(plan: Plan, step_fn=None) -> dict:
     layout = eval_layout(shape.num_layers, shape.num_kv_heads, shape.head_dim, window,
                          m.kv_cache.tokens_per_block, m.kv_cache.dtype)
     res = evaluate(step_fn, layout, ids, window)
-    got = summarize(res, recorded.ref_ppl, read_top1(plan.data_file(REFERENCE_FILE)),
-                    recorded.max_ppl_increase)
-    got["text"] = recorded.text
-    drift = got["ppl"] / recorded.ppl - 1.0
-    got["drift"] = drift
-    got["ok"] = bool(got["passed"] and abs(drift) <= DRIFT_TOLERANCE)
-    got["summary"] = describe(got) + f"; {drift:+.2%} vs the build's ppl {recorded.ppl:.3f}"
+    got = score(res, recorded.ref_ppl, read_top1(plan.data_file(REFERENCE_FILE)),
+                recorded.max_ppl_increase)
+    drift = got.ppl / recorded.ppl - 1.0
+    summary = got.describe(recorded.text) + f"; {drift:+.2%} vs the build's ppl {recorded.ppl:.3f}"
     if abs(drift) > DRIFT_TOLERANCE:
-        got["summary"] += f" (more than {DRIFT_TOLERANCE:.0%}: the plan changed)"
-    return got
-
-
-def gate_message(acc: dict, name: str, weights: str, kv_cache: str = "fp32") -> Optional[str]:
-    """None when the gate passes, else the build's error message."""
-    if acc["passed"]:
-        return None
-    what = f"{weights} weights" + (f", {kv_cache} KV cache" if kv_cache in kv_format.QUANTIZED
-                                   else "")
-    return (f"accuracy gate failed for {name} ({what}): perplexity "
-            f"{acc['ppl']:.3f} vs {acc['ref_ppl']:.3f} unquantized is "
-            f"{acc['ppl_increase']:+.2%}, above accuracy.max_ppl_increase "
-            f"{acc['max_ppl_increase']:.2%} (top-1 agreement {acc['top1_agreement']:.2%} on "
-            f"{acc['tokens']} tokens); no plan was written. Use a higher precision, AWQ "
-            "calibration (accuracy.calibration_text: pydoc) for int4, a smaller "
-            "precision.group_size, a bf16 precision.kv_cache, or raise "
-            "accuracy.max_ppl_increase")
+        summary += f" (more than {DRIFT_TOLERANCE:.0%}: the plan changed)"
+    return GateRerun(**dataclasses.asdict(got), text=recorded.text, drift=drift,
+                     ok=bool(got.passed and abs(drift) <= DRIFT_TOLERANCE), summary=summary)

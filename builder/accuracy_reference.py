@@ -1,11 +1,12 @@
-"""The build-time accuracy gate: the compiled plan vs the unquantized model, same tokens.
+"""The build's side of the accuracy gate: the unquantized reference, the verdict, calibration.
 
-    ids = first accuracy.eval_tokens tokens of the evaluation text (runtime/accuracy.py)
-    reference = eager fp32 model of the same checkpoint on the same windows   (cached)
+    ids = first accuracy.eval_tokens tokens of the evaluation text (runtime/accuracy_gate.py)
+    reference = eager fp32 model of the same checkpoint on the same windows   (cached; needs
+                the checkpoint, so it is computed here and recorded in the plan)
     plan      = the compiled engine
-    both scored by runtime.accuracy.evaluate (packed steps through the Executor)
-    -> ppl, ref_ppl, ppl_increase, top1_agreement -> PlanManifest.accuracy; over the limit:
-       BuildError (no plan is written)
+    both scored by runtime/accuracy_gate.py `evaluate`, compared by its `score`
+    -> GateScore; over the limit: BuildError (gate_message; no plan is written); else
+       Gate.record -> PlanManifest.accuracy, which `kiln verify` re-runs with the runtime alone
 
 The reference (ppl + top-1 predictions) is cached under $XDG_CACHE_HOME/kiln/accuracy
 (default ~/.cache/kiln/accuracy), keyed by the weights digest, the text digest, the token
@@ -14,6 +15,7 @@ checkpoint pay for it once.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,8 +25,10 @@ from typing import Callable, Optional
 
 import torch
 
+from kiln.contracts.manifest import AccuracyRecord
+from kiln.contracts.reports import GateScore
 from kiln.plugins.paged_kv import kv_format
-from kiln.runtime import accuracy as racc
+from kiln.runtime import accuracy_gate as racc
 
 REFERENCE_VERSION = 1      # bump when the reference computation changes
 CALIBRATION_TOKENS = 1024  # AWQ calibration tokens (taken after the evaluation tokens)
@@ -106,9 +110,9 @@ class Gate:
         self.ref, self.ref_cached = reference(self.ckpt, self.ids, self.window, self.text_sha,
                                               model)
 
-    def run(self, step_fn, kv_dtype: str, plan_dir: Path) -> dict:
-        """Measure the compiled plan; writes the reference's top-1 into plan_dir. -> accuracy
-        dict (the manifest's; `passed` says whether the gate holds)."""
+    def run(self, step_fn, kv_dtype: str, plan_dir: Path) -> GateScore:
+        """Measure the compiled plan against the reference; writes the reference's top-1
+        predictions into plan_dir (verify re-runs the gate against them)."""
         spec = self.spec
         if self.ref is None:
             self.compute_reference()
@@ -116,14 +120,34 @@ class Gate:
         layout = racc.eval_layout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.window,
                                   spec.kv_cache.tokens_per_block, kv_dtype)
         res = racc.evaluate(step_fn, layout, self.ids, self.window)
-        acc = racc.summarize(res, self.ref.ppl, self.ref.top1, spec.max_ppl_increase)
         racc.write_top1(plan_dir / racc.REFERENCE_FILE, self.ref.top1)
-        acc.update(text=self.text_name, text_sha256=self.text_sha, eval_tokens=len(self.ids),
-                   ids_sha256=racc.sha256_ids(self.ids), window=self.window,
-                   method=f"windows of {self.window} tokens, each a fresh sequence",
-                   reference="eager fp32 model of the same checkpoint",
-                   reference_top1=racc.REFERENCE_FILE, reference_cached=self.ref_cached)
-        return acc
+        return racc.score(res, self.ref.ppl, self.ref.top1, spec.max_ppl_increase)
+
+    def record(self, score: GateScore) -> AccuracyRecord:
+        """The manifest's record of a passed gate: the score and how it was measured."""
+        return AccuracyRecord(
+            **dataclasses.asdict(score), text=self.text_name, text_sha256=self.text_sha,
+            eval_tokens=len(self.ids), ids_sha256=racc.sha256_ids(self.ids),
+            window=self.window, method=f"windows of {self.window} tokens, each a fresh sequence",
+            reference="eager fp32 model of the same checkpoint",
+            reference_top1=racc.REFERENCE_FILE, reference_cached=self.ref_cached)
+
+
+def gate_message(score: GateScore, name: str, weights: str, kv_cache: str = "fp32"
+                 ) -> Optional[str]:
+    """None when the gate passes, else the build's error message."""
+    if score.passed:
+        return None
+    what = f"{weights} weights" + (f", {kv_cache} KV cache" if kv_cache in kv_format.QUANTIZED
+                                   else "")
+    return (f"accuracy gate failed for {name} ({what}): perplexity "
+            f"{score.ppl:.3f} vs {score.ref_ppl:.3f} unquantized is "
+            f"{score.ppl_increase:+.2%}, above accuracy.max_ppl_increase "
+            f"{score.max_ppl_increase:.2%} (top-1 agreement {score.top1_agreement:.2%} on "
+            f"{score.tokens} tokens); no plan was written. Use a higher precision, AWQ "
+            "calibration (accuracy.calibration_text: pydoc) for int4, a smaller "
+            "precision.group_size, a bf16 precision.kv_cache, or raise "
+            "accuracy.max_ppl_increase")
 
 
 def calibration_runner(spec, ckpt) -> Callable[[torch.nn.Module], None]:

@@ -167,6 +167,9 @@ def serve(
     max_stream_requests: int = typer.Option(
         64, "--max-stream-requests", help="requests in flight per KServe ModelStreamInfer "
                                           "stream; more are not read until one ends"),
+    max_logprob_entries: int = typer.Option(
+        1 << 20, "--max-logprob-entries", help="choices x max_tokens x (1 + top logprobs) of "
+                                               "one OpenAI response that is not streamed"),
     max_guided_bytes: int = typer.Option(256 * 2**10, help="one output constraint's text"),
     max_guided_choices: int = typer.Option(256, help="guided_choice entries per request"),
     max_tools: int = typer.Option(128, help="OpenAI tools per request"),

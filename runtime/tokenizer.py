@@ -10,10 +10,10 @@ known not to be.
 """
 from __future__ import annotations
 
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
+
+from kiln.runtime.chat_template import ChatTemplate, TemplateLimits
 
 REPLACEMENT = "\ufffd"
 
@@ -33,7 +33,8 @@ class Tokenizer:
         self.chat_template: Optional[str] = gen.get("chat_template")
         self.add_bos_token: bool = bool(gen.get("add_bos_token", False))
         self.generation = gen
-        self._template = None
+        self._template: Optional[ChatTemplate] = None
+        self.template_limits = TemplateLimits()
 
     @classmethod
     def from_file(cls, path: str | Path, generation: Optional[dict] = None) -> "Tokenizer":
@@ -71,7 +72,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with add_special_tokens, a bos is prepended when the generation
         config asks for one (add_bos_token) and the tokenizer did not add it already."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        check_text(text)
+        # encode_batch releases the GIL while it works (encode holds it): a long prompt
+        # tokenized on a worker thread never stalls the event loop or the engine thread
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids
@@ -80,15 +84,23 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def token_texts(self, token_ids: Iterable[int]) -> dict[int, str]:
+        """Each distinct id's text (special tokens spelled out), decoded in one batch without
+        the GIL: the cost is bounded by the vocabulary, whatever the number of ids."""
+        ids = sorted(set(token_ids))
+        texts = self._tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        return dict(zip(ids, texts))
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False, **extra):
         """Render `messages` with the chat template (Hugging Face semantics: variables
-        messages, bos_token, eos_token, add_generation_prompt; raise_exception). Returns the
-        text, or its token ids (no special tokens added: the template writes them)."""
+        messages, bos_token, eos_token, add_generation_prompt; raise_exception), under
+        runtime/chat_template.py's limits. Returns the text, or its token ids (no special
+        tokens added: the template writes them). Raises ChatTemplateError (a ValueError)."""
         if not self.chat_template:
             raise ValueError("this plan's tokenizer has no chat template; send a plain prompt")
         if self._template is None:
-            self._template = _compile_template(self.chat_template)
+            self._template = ChatTemplate(self.chat_template, self.template_limits)
         text = self._template.render(messages=messages, bos_token=self.bos_token,
                                      eos_token=self.eos_token,
                                      add_generation_prompt=add_generation_prompt, **extra)
@@ -101,23 +113,14 @@ class Tokenizer:
                                       skip_special_tokens)
 
 
-def _compile_template(source: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+def check_text(text: str) -> None:
+    """ValueError for text that is not valid Unicode (a lone surrogate, which JSON's \\ud800
+    escapes can carry): it has no UTF-8 form to tokenize."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode: a lone surrogate "
+                         f"{text[e.start]!r} at character {e.start}") from None
 
 
 class IncrementalDetokenizer:

@@ -80,7 +80,26 @@ def open_checkpoint(model) -> Checkpoint:
     if model.revision and model.revision.lower() != ckpt.weights_digest:
         raise CheckpointError(f"{ckpt.source_desc}: weights digest {ckpt.weights_digest} "
                               f"differs from model.revision {model.revision}")
+    _vet_chat_template(ckpt)
     return ckpt
+
+
+def _vet_chat_template(ckpt: Checkpoint) -> None:
+    """A chat template that cannot render a sample conversation (user, assistant, user)
+    within the runtime's limits is refused at build, not on the plan's first chat request."""
+    if not ckpt.generation.get("chat_template"):
+        return
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kiln.runtime.chat_template import ChatTemplateError, vet_chat_template
+    from kiln.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer(HFTokenizer.from_str(ckpt.tokenizer_json), ckpt.generation)
+    try:
+        vet_chat_template(tok.chat_template, tok.bos_token, tok.eos_token)
+    except ChatTemplateError as e:
+        raise CheckpointError(f"{ckpt.source_desc}: its chat template cannot be served: {e} "
+                              "(rendering a sample conversation: user, assistant, user)")
 
 
 def _has_gguf_magic(path: Path) -> bool:

@@ -36,6 +36,7 @@ from kiln.runtime.guided import GuidedDecoding
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.server.errors import ServiceError, invalid, not_found
 from kiln.runtime.server.frontend import Frontend
+from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.tensors import Tensor, decode_inputs, encode
 
 
@@ -99,16 +100,10 @@ class KServeRequest:
 
 
 def _scalar(t: Tensor):
-    if len(t.values) != 1 or len(t.shape) not in (1, 2) or t.shape[0] != 1:
-        raise invalid(f"input {t.name!r} has shape {list(t.shape)}: expected [1, 1] (batch "
-                      "size 1, one element) or [1]")
-    return t.values[0]
+    return t.values[0]      # check_inputs: one element
 
 
 def _words(t: Tensor) -> list[str]:
-    if not (len(t.shape) == 1 or (len(t.shape) == 2 and t.shape[0] == 1)):
-        raise invalid(f"input {t.name!r} has shape {list(t.shape)}: expected [1, n] (batch "
-                      "size 1, n words) or [n]")
     return [_utf8(t.name, w) for w in t.values if w]
 
 
@@ -119,16 +114,47 @@ def _utf8(name: str, data: bytes) -> str:
         raise invalid(f"input {name!r} is not valid UTF-8 ({e.reason} at byte {e.start})")
 
 
-def parse(request, max_tokens_limit: int) -> KServeRequest:
-    """Decode and validate a ModelInferRequest. Raises ServiceError (INVALID_ARGUMENT)."""
-    tensors = decode_inputs(request)
-    for name, t in tensors.items():
-        spec = INPUTS.get(name)
+def check_inputs(request, limits: RequestLimits, prompt_bytes: int) -> None:
+    """Names, datatypes, shapes and raw byte sizes of a request's inputs, before any element
+    is decoded: what decoding then costs is bounded by the caps. Raises ServiceError."""
+    raw = request.raw_input_contents
+    for i, t in enumerate(request.inputs):
+        spec = INPUTS.get(t.name)
         if spec is None:
-            raise invalid(f"unknown input {name!r}; this model's inputs: {', '.join(INPUTS)}")
+            raise invalid(f"unknown input {t.name!r}; this model's inputs: {', '.join(INPUTS)}")
         if t.datatype not in spec.datatypes:
-            raise invalid(f"input {name!r} has datatype {t.datatype}; expected "
+            raise invalid(f"input {t.name!r} has datatype {t.datatype}; expected "
                           f"{' or '.join(spec.datatypes)}")
+        shape = list(t.shape)
+        if spec.words:
+            if not (len(shape) == 1 or (len(shape) == 2 and shape[0] == 1)) or shape[-1] < 0:
+                raise invalid(f"input {t.name!r} has shape {shape}: expected [1, n] (batch "
+                              "size 1, n words) or [n]")
+            if t.name == "guided_choice":
+                cap, each = limits.max_guided_choices, limits.max_guided_bytes
+            else:
+                cap = limits.max_stop if t.name == "stop_words" else limits.max_bad_words
+                each = limits.max_word_bytes
+            limits.check_count(t.name, range(shape[-1]), cap)
+            most = shape[-1] * (4 + each)
+        else:
+            if shape not in ([1, 1], [1]):
+                raise invalid(f"input {t.name!r} has shape {shape}: expected [1, 1] (batch "
+                              "size 1, one element) or [1]")
+            most = (4 + prompt_bytes if t.name == "text_input" else
+                    4 + limits.max_guided_bytes if t.name in GUIDED else None)
+        if most is not None and i < len(raw) and len(raw[i]) > most:
+            raise invalid(f"input {t.name!r} is {len(raw[i])} bytes; at most {most} are "
+                          "allowed (a kiln serve limit)")
+
+
+def parse(request, max_tokens_limit: int, limits: RequestLimits = RequestLimits(),
+          max_input_len: Optional[int] = None) -> KServeRequest:
+    """Check, decode and validate a ModelInferRequest (the prompt's byte cap follows
+    max_input_len when given). Raises ServiceError (INVALID_ARGUMENT)."""
+    check_inputs(request, limits, limits.prompt_bytes(max_input_len) if max_input_len
+                 else limits.max_request_bytes)
+    tensors = decode_inputs(request)
     for name, spec in INPUTS.items():
         if spec.required and name not in tensors:
             raise invalid(f"missing required input {name!r}")
@@ -291,7 +317,8 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         try:
             self._model(request.model_name, request.model_version)
             self.fe.check_ready()
-            return parse(request, self._limit("max_seq_len", 2) - 1)
+            return parse(request, self._limit("max_seq_len", 2) - 1, self.fe.limits,
+                         self._limit("input_len", 0) or None)
         except ServiceError as e:
             self.fe.metrics.refused(e.outcome)
             raise

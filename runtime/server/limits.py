@@ -2,10 +2,12 @@
 work is done for it (`kiln serve` flags; defaults are far above what a plan can serve).
 
     HTTP body / gRPC message  > max_request_bytes  -> 413 / RESOURCE_EXHAUSTED (not read)
-    prompt text, chat content > max_prompt_bytes   -> 400 / INVALID_ARGUMENT (not tokenized)
+    prompt text, chat messages and tools (every string the chat template sees)
+                              > max_prompt_bytes   -> 400 / INVALID_ARGUMENT (not tokenized)
     stop strings/ids, bad words, prompts, messages > their cap -> 400 / INVALID_ARGUMENT
     an output constraint's schema/regex/grammar/choices > max_guided_bytes, choices >
         max_guided_choices, OpenAI tools > max_tools -> 400 / INVALID_ARGUMENT (not compiled)
+    logprob entries of a whole (not streamed) response > max_logprob_entries -> 400
     requests in flight on one ModelStreamInfer stream = max_stream_requests -> the stream
         is not read further until one ends (HTTP/2 flow control throttles the client)
 
@@ -39,6 +41,8 @@ class RequestLimits:
     #                                       all its choices together (tool schemas included)
     max_guided_choices: int = 256         # guided_choice entries
     max_tools: int = 128                  # OpenAI tools per request (OpenAI's own cap)
+    max_logprob_entries: int = 1 << 20    # choices x max_tokens x (1 + top logprobs) of one
+    #                                       response that is not streamed
 
     def __post_init__(self):
         for name, value in vars(self).items():
@@ -53,22 +57,25 @@ class RequestLimits:
             raise invalid(f"{name} has {len(items)} entries; at most {cap} are allowed "
                           "(a kiln serve limit)")
 
-    def check_prompt(self, prompt, max_input_len: int) -> None:
-        """Text, chat messages or token ids, before tokenization. Raises ServiceError."""
+    def check_prompt(self, prompt, max_input_len: int, extra=None) -> None:
+        """Text, chat messages or token ids, before tokenization; `extra`: what else reaches
+        the chat template (OpenAI tools). Chat counts every string the template can see
+        (roles, names, tool calls and their arguments, tools), not only the contents.
+        Raises ServiceError."""
         cap = self.prompt_bytes(max_input_len)
         if isinstance(prompt, str):
             size = len(prompt.encode("utf-8", "surrogatepass"))
         elif len(prompt) and isinstance(prompt[0], dict):
             self.check_count("messages", prompt, self.max_messages)
-            size = sum(len(str(m.get("content") or "").encode("utf-8", "surrogatepass"))
-                       for m in prompt)
+            size = template_bytes((prompt, extra), cap)
         else:
             if len(prompt) > max_input_len:
                 raise invalid(f"the prompt has {len(prompt)} tokens; max_input_len is "
                               f"{max_input_len}")
             return
         if size > cap:
-            raise invalid(f"the prompt is {size} bytes; at most {cap} are allowed (it could "
+            said = f"{size}" if isinstance(prompt, str) else f"more than {cap}"
+            raise invalid(f"the prompt is {said} bytes; at most {cap} are allowed (it could "
                           f"not fit max_input_len = {max_input_len} tokens)")
 
     def check_params(self, p: SamplingParams) -> None:
@@ -93,3 +100,21 @@ class RequestLimits:
             what = {"json": "JSON schema", "choice": "choices"}.get(g.kind, g.kind)
             raise invalid(f"the output constraint's {what} is {size} bytes; at most "
                           f"{self.max_guided_bytes} are allowed (a kiln serve limit)")
+
+
+def template_bytes(value, cap: int) -> int:
+    """UTF-8 bytes of every string (keys included) and number in a JSON-like value, walked
+    without recursion; stops counting once past `cap` (any result > cap means too large)."""
+    size, stack = 0, [value]
+    while stack and size <= cap:
+        v = stack.pop()
+        if isinstance(v, str):
+            size += len(v.encode("utf-8", "surrogatepass"))
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            size += len(repr(v)) if abs(v) < 1e300 else 400
+    return size

@@ -76,6 +76,16 @@ def chunk(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         timings=timings, error=out.error or "")
 
 
+def _tokenize(tok, prompt, add_special_tokens: bool) -> pb.TokenizeResponse:
+    """Text or chat messages -> their tokens (ValueError for text or messages the tokenizer
+    or the chat template refuses)."""
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt, add_special_tokens=add_special_tokens)
+    else:
+        ids = tok.apply_chat_template(prompt, tokenize=True)
+    return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
+
+
 class NativeService(pb_grpc.KilnServicer):
     def __init__(self, frontend: Frontend):
         self.fe = frontend
@@ -101,17 +111,13 @@ class NativeService(pb_grpc.KilnServicer):
             tok = self.fe.engine.tokenizer
             prompt = prompt_of(request)
             self.fe.limits.check_prompt(prompt, self.fe.engine.config.input_len)
-            if isinstance(prompt, str):      # tokenized off the event loop
-                ids = await asyncio.to_thread(tok.encode, prompt,
-                                              add_special_tokens=request.add_special_tokens)
-            elif prompt and isinstance(prompt[0], dict):
-                ids = await asyncio.to_thread(tok.apply_chat_template, prompt, tokenize=True)
-            else:
+            if not isinstance(prompt, str) and not (prompt and isinstance(prompt[0], dict)):
                 raise invalid("Tokenize takes a prompt or chat messages")
+            # tokenized (and the tokens spelled) off the event loop
+            return await asyncio.to_thread(_tokenize, tok, prompt, request.add_special_tokens)
         except Exception as e:
             err = classify(e)
             await context.abort(err.code, err.message)
-        return pb.TokenizeResponse(token_ids=ids, tokens=[tok.token_text(i) for i in ids])
 
     async def GetModelInfo(self, request, context):
         try:

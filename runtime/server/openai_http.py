@@ -152,7 +152,7 @@ def _check_body(body: dict, limits: RequestLimits, max_input_len: int) -> None:
         if isinstance(messages, list):
             limits.check_count("messages", messages, limits.max_messages)
             limits.check_prompt([m for m in messages if isinstance(m, dict)] or "",
-                                max_input_len)
+                                max_input_len, body.get("tools"))
         for name, cap in (("stop", limits.max_stop), ("stop_token_ids", limits.max_stop),
                           ("tools", limits.max_tools), ("guided_choice",
                                                          limits.max_guided_choices)):
@@ -160,6 +160,56 @@ def _check_body(body: dict, limits: RequestLimits, max_input_len: int) -> None:
                 limits.check_count(name, body[name], cap)
     except ServiceError as e:
         raise invalid(e.message, None, "limit_exceeded")
+
+
+def _check_logprobs(job: OpenAIRequest, limits: RequestLimits) -> None:
+    """A whole response (not streamed, or a streamed reply with tools, sent at its end)
+    holds every logprob entry at once: capped."""
+    if not job.logprobs or (job.stream and job.tools is None):
+        return
+    entries = sum(p.max_tokens * (1 + (p.logprobs or 0)) for _, p in job.choices)
+    if entries > limits.max_logprob_entries:
+        raise invalid(f"choices x max_tokens x (1 + top logprobs) is {entries} logprob "
+                      f"entries; at most {limits.max_logprob_entries} are allowed in one "
+                      "response (a kiln serve limit): ask for fewer, or stream",
+                      "logprobs", "limit_exceeded")
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _json_bytes(obj) -> bytes:
+    """JSON as JSONResponse renders it, written a piece at a time: json.dumps is one C call
+    that holds the GIL, and a whole response of a million logprob entries in one would
+    stall the event loop for seconds (this runs on a worker thread)."""
+    out: list[str] = []
+    _pieces(obj, out, 0)
+    return "".join(out).encode("utf-8")
+
+
+_OPEN_DEPTH = 4     # response > choices > choice > logprobs > its lists (sliced)
+_SLICE = 32         # list items per json.dumps call below that depth
+
+
+def _pieces(obj, out: list[str], depth: int) -> None:
+    if isinstance(obj, dict) and obj and depth < _OPEN_DEPTH:
+        sep = "{"
+        for k, v in obj.items():
+            out.append(f"{sep}{_dumps(str(k))}:")
+            _pieces(v, out, depth + 1)
+            sep = ","
+        out.append("}")
+    elif isinstance(obj, list) and obj and (depth < _OPEN_DEPTH or len(obj) > _SLICE):
+        for i in range(0, len(obj), 1 if depth < _OPEN_DEPTH else _SLICE):
+            out.append("," if i else "[")
+            if depth < _OPEN_DEPTH:
+                _pieces(obj[i], out, depth + 1)
+            else:
+                out.append(_dumps(obj[i:i + _SLICE])[1:-1])
+        out.append("]")
+    else:
+        out.append(_dumps(obj))
 
 
 async def _disconnected(request: Request) -> None:
@@ -267,6 +317,7 @@ class OpenAIApp:
                               f"{len(job.choices)} choices; at most "
                               f"{self.fe.limits.max_prompts} are allowed", "n",
                               "limit_exceeded")
+            _check_logprobs(job, self.fe.limits)
         except OpenAIError as e:    # counted as the gRPC services count their refusals
             self.fe.metrics.refused(_OUTCOME.get(e.status, "invalid"))
             raise
@@ -287,7 +338,7 @@ class OpenAIApp:
                 await asyncio.gather(whole, return_exceptions=True)
         if whole.cancelled():
             return Response(status_code=499)
-        return JSONResponse(whole.result())
+        return Response(whole.result(), media_type="application/json")
 
     async def _submit(self, stack: contextlib.AsyncExitStack, job: OpenAIRequest
                       ) -> list[AsyncIterator[RequestOutput]]:
@@ -301,7 +352,9 @@ class OpenAIApp:
             outputs.append(outs)
         return outputs
 
-    async def _whole(self, job: OpenAIRequest) -> dict:
+    async def _whole(self, job: OpenAIRequest) -> bytes:
+        """The whole response's JSON, made (logprobs' token texts, tool calls) and encoded on
+        a worker thread: a large response never stalls the event loop."""
         async with contextlib.AsyncExitStack() as stack:
             outputs = await self._submit(stack, job)
             states = [ChoiceState() for _ in outputs]
@@ -309,7 +362,9 @@ class OpenAIApp:
                 states[i].add(out)
                 if out.finished and out.finish_reason not in FINISH:
                     raise _failed(out)
-        return final_json(job, states, self.fe.engine.tokenizer, job.model, self._fingerprint)
+        tok, fingerprint = self.fe.engine.tokenizer, self._fingerprint
+        return await asyncio.to_thread(lambda: _json_bytes(
+            final_json(job, states, tok, job.model, fingerprint)))
 
     async def _events(self, job: OpenAIRequest) -> AsyncIterator[str]:
         """Server-sent events; the first item (empty) marks a successful submission."""

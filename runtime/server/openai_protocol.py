@@ -233,19 +233,21 @@ def _stream_flags(b: _Common) -> tuple[bool, bool, bool]:
     return stream, bool(so.include_usage), bool(so.continuous_usage_stats)
 
 
+def _prompt_ids(p, tok: Tokenizer) -> list[list[int]]:
+    """A completion's prompt(s) -> token ids per prompt."""
+    if not isinstance(p, str) and not p:
+        raise invalid("prompt is empty", "prompt")
+    if isinstance(p, str) or isinstance(p[0], str):
+        try:
+            return [tok.encode(x) for x in ([p] if isinstance(p, str) else p)]
+        except ValueError as e:     # text with no UTF-8 form (a lone surrogate)
+            raise invalid(f"prompt: {e}", "prompt")
+    return [list(p)] if isinstance(p[0], int) else [list(x) for x in p]
+
+
 def parse_completion(body: dict, tok: Tokenizer) -> OpenAIRequest:
     b: CompletionBody = _validate(CompletionBody, body)
-    p = b.prompt
-    if isinstance(p, str):
-        prompts = [tok.encode(p)]
-    elif not p:
-        raise invalid("prompt is empty", "prompt")
-    elif isinstance(p[0], str):
-        prompts = [tok.encode(x) for x in p]
-    elif isinstance(p[0], int):
-        prompts = [list(p)]
-    else:
-        prompts = [list(x) for x in p]
+    prompts = _prompt_ids(b.prompt, tok)
     if b.logprobs is not None and not 0 <= b.logprobs <= MAX_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] (got {b.logprobs})", "logprobs")
     params = _params(b, 16 if b.max_tokens is None else b.max_tokens, b.logprobs, {},
@@ -327,8 +329,8 @@ def parse_chat(body: dict, tok: Tokenizer, max_seq_len: int) -> OpenAIRequest:
     messages, extra = render_messages(messages, tools, tok.chat_template)
     try:
         ids = tok.apply_chat_template(messages, tokenize=True, **extra)
-    except Exception as e:   # the template's raise_exception, or a rendering error
-        raise invalid(f"the chat template refused the messages: {e}", "messages")
+    except ValueError as e:  # ChatTemplateError (it says why), or text that is not Unicode
+        raise invalid(str(e), "messages")
     if (b.max_tokens is not None and b.max_completion_tokens is not None
             and b.max_tokens != b.max_completion_tokens):
         raise invalid("give max_completion_tokens or max_tokens, not two different values",
@@ -372,27 +374,31 @@ def usage_json(usages: list[Optional[Usage]], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _token(tok: Tokenizer, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
+def _texts(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict[int, str]:
+    """The text of every token (and alternative) of `lps`, each distinct id decoded once."""
+    return tok.token_texts(i for lp in lps for i in (lp.token_id, *(t for t, _ in lp.top)))
 
 
 def completion_logprobs(tok: Tokenizer, lps: list[TokenLogprobs], offset: int) -> dict:
     """The legacy completions format; offset = chars of text before these tokens."""
+    texts = _texts(tok, lps)
     tokens, offsets = [], []
     for lp in lps:
-        t = _token(tok, lp.token_id)
+        t = texts[lp.token_id]
         tokens.append(t)
         offsets.append(offset)
         offset += len(t)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [{_token(tok, i): v for i, v in lp.top} for lp in lps],
+            "top_logprobs": [{texts[i]: v for i, v in lp.top} for lp in lps],
             "text_offset": offsets}
 
 
 def chat_logprobs(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict:
+    spelled = {i: (t, list(t.encode("utf-8"))) for i, t in _texts(tok, lps).items()}
+
     def entry(token_id, logprob):
-        t = _token(tok, token_id)
-        return {"token": t, "logprob": logprob, "bytes": list(t.encode("utf-8"))}
+        t, b = spelled[token_id]
+        return {"token": t, "logprob": logprob, "bytes": b}
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(i, v) for i, v in lp.top]} for lp in lps],
             "refusal": None}

@@ -68,6 +68,9 @@ def _raw_values(t, data: bytes, n: int) -> list:
     if t.datatype == "BYTES":
         values, pos = [], 0
         while pos < len(data):
+            if len(values) == n:        # never decode more elements than the shape has
+                raise invalid(f"input {t.name!r}: shape {list(t.shape)} has {n} elements, "
+                              "the data holds more")
             if pos + 4 > len(data):
                 raise invalid(f"input {t.name!r}: a raw BYTES element is cut short (each is a "
                               "4-byte little-endian length followed by the bytes)")
@@ -93,11 +96,11 @@ def _typed_values(t, n: int) -> list:
     field = DATATYPES[t.datatype][1]
     if field is None:
         raise invalid(f"input {t.name!r}: {t.datatype} can only be sent in raw_input_contents")
-    values = list(getattr(t.contents, field))
+    values = getattr(t.contents, field)
     if len(values) != n:
         raise invalid(f"input {t.name!r}: shape {list(t.shape)} has {n} elements, "
                       f"contents.{field} holds {len(values)}")
-    return values
+    return list(values)
 
 
 def encode_bytes(elements: Sequence[bytes]) -> bytes:

@@ -11,6 +11,7 @@ from tritonclient.grpc import service_pb2 as kpb
 
 from kiln.runtime.server.errors import ServiceError
 from kiln.runtime.server.kserve import parse, response
+from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.tensors import DATATYPES, decode_inputs, encode, encode_bytes
 
 pytestmark = pytest.mark.unit
@@ -125,3 +126,34 @@ def test_encode_short_and_long_tensors_as_numpy_does(datatype):
                   else [i % 100 for i in range(n)])
         expected = np.asarray(values, dtype=np.dtype(DATATYPES[datatype][0])).tobytes()
         assert encode(datatype, values) == expected, (datatype, n)
+
+
+def test_names_shapes_and_sizes_are_checked_before_any_element_is_decoded():
+    """Inputs are vetted by their headers first: a tensor is refused for its name, shape,
+    element count or byte size before its data is decoded (nor is more decoded than the
+    shape holds)."""
+    junk = struct.pack("<I", 0) * 100_000 + b"\x01"     # 100k empty elements, then a stub
+    r = req(**BASE)
+    r.inputs.add(name="junk", datatype="BYTES", shape=[1, 100_000])
+    r.raw_input_contents.append(junk)
+    with pytest.raises(ServiceError, match="unknown input 'junk'"):
+        parse(r, 100)
+    r = req(**BASE)
+    r.inputs.add(name="stop_words", datatype="BYTES", shape=[1, 100_000])
+    r.raw_input_contents.append(junk)
+    with pytest.raises(ServiceError, match="stop_words has 100000 entries; at most 64"):
+        parse(r, 100)
+    r = req(**BASE)
+    r.inputs.add(name="bad_words", datatype="BYTES", shape=[1, 2])
+    r.raw_input_contents.append(junk)                    # far more than 2 elements
+    with pytest.raises(ServiceError, match="bytes; at most"):
+        parse(r, 100)
+    r = req(**BASE, stop_words=("BYTES", [1, 2], [b"a", b"b", b"c"]))  # one more than shape
+    with pytest.raises(ServiceError, match="holds more"):
+        parse(r, 100)
+    r = req(**dict(BASE, text_input=("BYTES", [1, 1], [b"x" * 5000])))
+    with pytest.raises(ServiceError, match="'text_input' is 5004 bytes"):
+        parse(r, 100, RequestLimits(max_prompt_bytes=4096), 16)
+    r = req(**dict(BASE, text_input=("BYTES", [1, 100_000], [b""] * 100_000)))
+    with pytest.raises(ServiceError, match=r"shape \[1, 100000\]"):
+        parse(r, 100)

@@ -11,9 +11,10 @@ import pytest
 from tritonclient.grpc import service_pb2 as kpb
 
 from kiln.runtime.sampling import SEED_MAX, SEED_MIN, SamplingParams, SamplingState
-from kiln.runtime.server.errors import ServiceError
+from kiln.runtime.server.errors import ServiceError, classify
 from kiln.runtime.server.kserve import parse
 from kiln.runtime.server.limits import RequestLimits
+from kiln.runtime.server.openai_http import _check_body, _check_logprobs
 from kiln.runtime.server.openai_protocol import OpenAIError, parse_completion
 from kiln.runtime.server.tensors import encode_bytes
 from tests.runtime_helpers import byte_tokenizer
@@ -111,3 +112,60 @@ def test_limits_refuse_long_lists_and_prompts():
     assert RequestLimits().prompt_bytes(100_000) == 6_400_000
     with pytest.raises(ValueError, match="max_stop"):
         RequestLimits(max_stop=0)
+
+
+def test_prompt_cap_counts_everything_the_chat_template_sees():
+    """Not only contents: roles (kiln.v1 takes any), names, tool calls' arguments, tools."""
+    lim = RequestLimits(max_prompt_bytes=100)
+    big = "x" * 101
+    lim.check_prompt([{"role": "user", "content": "x" * 80}], 10)   # keys count too
+    for message in ({"role": big, "content": ""},
+                    {"role": "user", "content": "", "name": big},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "1", "type": "function",
+                         "function": {"name": "f", "arguments": big}}]},
+                    {"role": "user", "content": [{"type": "text", "text": big}]}):
+        with pytest.raises(ServiceError, match="bytes"):
+            lim.check_prompt([message], 10)
+    tools = [{"type": "function", "function": {"name": "f", "description": big,
+                                               "parameters": {"type": "object"}}}]
+    with pytest.raises(ServiceError, match="bytes"):
+        lim.check_prompt([{"role": "user", "content": "hi"}], 10, tools)
+    with pytest.raises(OpenAIError) as e:       # the HTTP API's check, before tokenizing
+        _check_body({"messages": [{"role": "user", "content": "hi"}], "tools": tools},
+                    lim, 10)
+    assert e.value.status == 400 and e.value.code == "limit_exceeded"
+    deep = [[]]
+    for _ in range(100_000):                    # counted without recursion
+        deep = [deep]
+    with pytest.raises(ServiceError, match="bytes"):
+        lim.check_prompt([{"role": "user", "content": "hi", "x": deep, "y": big}], 10)
+
+
+def test_logprob_entries_of_a_whole_response_are_capped():
+    lim = RequestLimits(max_logprob_entries=1000)
+    ok = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 10, "n": 4,
+                           "logprobs": 5}, TOK)                        # 4 x 10 x 6 = 240
+    _check_logprobs(ok, lim)
+    big = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 100, "n": 2,
+                            "logprobs": 5}, TOK)                       # 2 x 100 x 6 = 1200
+    with pytest.raises(OpenAIError, match="1200 logprob entries"):
+        _check_logprobs(big, lim)
+    streamed = parse_completion({"model": "m", "prompt": "hi", "max_tokens": 100, "n": 2,
+                                 "logprobs": 5, "stream": True}, TOK)
+    _check_logprobs(streamed, lim)              # sent token by token: not held at once
+
+
+def test_lone_surrogate_prompt_and_template_refusal_are_invalid_requests():
+    with pytest.raises(OpenAIError) as e:
+        parse_completion({"model": "m", "prompt": "ok \ud800"}, TOK)
+    assert e.value.status == 400 and "surrogate" in e.value.message
+    with pytest.raises(OpenAIError) as e:
+        parse_completion({"model": "m", "prompt": ["fine", "\udfff"]}, TOK)
+    assert e.value.status == 400
+    # what the gRPC services answer for the engine's refusals (kiln.v1 chat, Tokenize)
+    for bad in (lambda: TOK.encode("\ud800"),
+                lambda: TOK.apply_chat_template([{"role": "tool", "content": "x"}])):
+        with pytest.raises(Exception) as e:
+            bad()
+        assert classify(e.value).code == grpc.StatusCode.INVALID_ARGUMENT, e.value

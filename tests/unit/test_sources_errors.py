@@ -228,3 +228,23 @@ def test_random_model_with_a_larger_tokenizer_is_refused(tmp_path):
     tok.write_text(byte_level(260, 1, 2))                    # as many ids: fine
     assert open_checkpoint(ModelSpec(source="random", arch=arch,
                                      tokenizer=str(tok))).config.vocab_size == 260
+
+
+@pytest.mark.parametrize("template, problem", [
+    ("{% for m in messages %}{{ raise_exception('roles must alternate') }}{% endfor %}",
+     "roles must alternate"),
+    ("{% for i in range(1000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}",
+     "loop iterations"),
+    ("{{ 'a' * (2**24 + 1) }}", "went over a limit"),
+    ("{% for m in messages %}{{ m.content }", "does not compile"),
+])
+def test_chat_template_that_cannot_render_is_refused_at_build(tmp_path, template, problem):
+    """The chat template is rendered once on a sample conversation when the checkpoint is
+    opened: one that fails or goes over a render limit never makes a plan."""
+    d = _write_hf(tmp_path / "t")
+    (d / "chat_template.jinja").write_text(template)
+    with pytest.raises(CheckpointError, match="chat template cannot be served") as e:
+        _open(d)
+    assert problem in str(e.value)
+    (d / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert _open(d).generation["chat_template"]

@@ -130,6 +130,8 @@ class Frontend:
         withdraws its compile. None when the request has no constraint."""
         if params.guided is None:
             return None
+        if not self.engine.guided_ready:
+            await asyncio.to_thread(self.engine.prepare_guided)
         fut = self.engine.compile_guided(params.guided)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut),

@@ -109,15 +109,24 @@ def rollback_cmd(name: str = typer.Argument(..., help="the spec name"),
 
 @app.command("current")
 def current_cmd(name: Optional[str] = typer.Argument(None, help="a spec name (default: all)"),
-                store: Path = STORE):
+                store: Path = STORE,
+                digest: bool = typer.Option(False, "--digest", help="print the plan's digest "
+                                            "(sha256 of its plan.json) instead of its directory: "
+                                            "kiln serve --expect-digest")):
     """Print the current plan directory of a spec (or of every spec): `kiln serve $(kiln ci
-    current NAME)`."""
+    current NAME)`. Fails when the plan is not the one the pointer recorded (its digest)."""
     from kiln.builder.plan_ci.store import PlanStore
 
     s = PlanStore(store)
     names = [name] if name else s.names()
     for n in names:
-        fp = s.current(n)
-        if fp is None:
+        ptr = s.pointer(n)
+        if ptr is None:
             _fail(f"no current plan for {n!r} in {store}")
-        typer.echo(str(s.plan_dir(fp)) if name else f"{n}\t{fp[:12]}\t{s.plan_dir(fp)}")
+        now = s.digest(ptr.fingerprint)
+        if now is None or (ptr.digest is not None and now != ptr.digest):
+            _fail(f"the current plan of {n!r} ({s.plan_dir(ptr.fingerprint)}) is not the one "
+                  f"made current: its plan.json sha256 is {now or '(missing)'}, the pointer "
+                  f"recorded {ptr.digest}. Run kiln ci rebuild, or roll back")
+        shown = now if digest else str(s.plan_dir(ptr.fingerprint))
+        typer.echo(shown if name else f"{n}\t{ptr.fingerprint[:12]}\t{shown}")

@@ -23,7 +23,7 @@ from typing import Optional, TextIO
 from kiln.builder.plan_ci.assess import BUILD, FAIL, REUSE, Assessment, assess
 from kiln.builder.plan_ci.records import BuildOutcome, PlanRecord
 from kiln.builder.plan_ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
-from kiln.builder.plan_ci.store import PlanStore
+from kiln.builder.plan_ci.store import PlanStore, StoreError
 from kiln.contracts.reports import VerifyReport
 
 
@@ -66,10 +66,7 @@ def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = Non
             jobs.append((i, a, {"staging": str(store.staging_dir(a.name)),
                                 "reference": _reference(store, a.previous)}))
         else:
-            if store.current(a.name) != a.fingerprint:
-                store.set_current(a.name, a.fingerprint)
-            results[i] = _reused(store, a)
-            print(f"{label}: reused {a.fingerprint[:12]} ({a.reason})", file=log)
+            results[i] = _reuse(store, a, log)
 
     for i, a, out in _run_jobs(jobs, opts.jobs):
         results[i] = _publish(store, a, out, opts.keep, log)
@@ -214,13 +211,15 @@ def _publish(store: PlanStore, a: Assessment, out: BuildOutcome, keep: int,
         if out.verify_text:   # name the plan where it will be, not where it was built
             out = dataclasses.replace(out, verify_text=out.verify_text.replace(
                 str(staging / "plan"), str(store.plan_dir(fp))))
-        store.add_plan(staging / "plan", fp, PlanRecord(
-            name=a.name, spec_path=str(a.spec_path), reason=a.reason, changed=tuple(a.changed),
-            previous=a.previous, build_seconds=out.build_seconds, verify=out.verify,
-            verify_text=out.verify_text))
-        store.set_current(a.name, fp)
-        removed = store.prune(a.name, keep)
-        print(f"{a.name}: published {fp[:12]}"
+        try:   # the plan, the pointer (from where assess found it) and prune: one update
+            ptr, removed = store.publish(staging / "plan", fp, PlanRecord(
+                name=a.name, spec_path=str(a.spec_path), reason=a.reason,
+                changed=tuple(a.changed), previous=a.previous, build_seconds=out.build_seconds,
+                verify=out.verify, verify_text=out.verify_text), a.previous, keep)
+        except (StoreError, OSError) as e:
+            print(f"{a.name}: FAILED to publish {fp[:12]}: {e}", file=log)
+            return _result(a, FAILED, out, error=f"publishing {fp[:12]}: {e}")
+        print(f"{a.name}: published {fp[:12]} (plan.json sha256 {ptr.digest})"
               + (f", pruned {len(removed)} old plan(s)" if removed else ""), file=log)
         res = _result(a, REBUILT, out)
         res.fingerprint = fp
@@ -254,6 +253,19 @@ def _verify_line(report: VerifyReport) -> str:
     if agreement is not None and agreement.value is not None:
         parts.append(f"agreement {agreement.value:.2f} (min {agreement.minimum:.2f})")
     return ("ok: " if report.parts_ok else "FAILED: ") + ", ".join(parts)
+
+
+def _reuse(store: PlanStore, a: Assessment, log: TextIO) -> SpecResult:
+    """Point the spec at the plan it reuses (from where assess found the pointer)."""
+    label = a.name or str(a.spec_path)
+    try:
+        if store.current(a.name) != a.fingerprint:
+            store.set_current(a.name, a.fingerprint, expected=a.previous)
+    except StoreError as e:
+        print(f"{label}: FAILED to reuse {a.fingerprint[:12]}: {e}", file=log)
+        return _result(a, FAILED, error=f"reusing {a.fingerprint[:12]}: {e}")
+    print(f"{label}: reused {a.fingerprint[:12]} ({a.reason})", file=log)
+    return _reused(store, a)
 
 
 def _reused(store: PlanStore, a: Assessment) -> SpecResult:

@@ -136,15 +136,17 @@ def check_inputs(request, limits: RequestLimits, prompt_bytes: int) -> None:
                 cap = limits.max_stop if t.name == "stop_words" else limits.max_bad_words
                 each = limits.max_word_bytes
             limits.check_count(t.name, range(shape[-1]), cap)
-            most = shape[-1] * (4 + each)
+            count, most = shape[-1], shape[-1] * each
         else:
             if shape not in ([1, 1], [1]):
                 raise invalid(f"input {t.name!r} has shape {shape}: expected [1, 1] (batch "
                               "size 1, one element) or [1]")
-            most = (4 + prompt_bytes if t.name == "text_input" else
-                    4 + limits.max_guided_bytes if t.name in GUIDED else None)
-        if most is not None and i < len(raw) and len(raw[i]) > most:
-            raise invalid(f"input {t.name!r} is {len(raw[i])} bytes; at most {most} are "
+            count = 1
+            most = (prompt_bytes if t.name == "text_input" else
+                    limits.max_guided_bytes if t.name in GUIDED else None)
+        payload = len(raw[i]) - 4 * count if i < len(raw) else 0   # less the length words
+        if most is not None and payload > most:
+            raise invalid(f"input {t.name!r} holds {payload} bytes; at most {most} are "
                           "allowed (a kiln serve limit)")
 
 

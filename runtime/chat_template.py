@@ -40,6 +40,7 @@ class ChatTemplateError(ValueError):
 
 @dataclass(frozen=True)
 class TemplateLimits:
+    """What one render of a chat template may build and run."""
     max_chars: int = 1 << 24       # the rendered text, and any one value built on the way
     max_work: int = 1 << 27        # chars (and 16 per list item) built over one render
     max_steps: int = 1 << 18       # loop iterations (and CALL_STEPS per call) over one render

@@ -339,8 +339,8 @@ async def load_then_ready(cfg: ServeConfig, fe: Frontend, ports: Listeners,
         raise ServeError(f"cannot load the plan: {e}") from e
     # What is loaded by now (torch, grpc, the plan, the tokenizer: some 320k objects the
     # collector tracks) lives as long as the server: frozen out of the collector's reach, a
-    # full collection while serving scans only what requests made since. Unfrozen, one took
-    # 136-154 ms (SmolLM2 throughput plan loaded), holding the GIL: every stream stalled.
+    # full collection while serving scans only what requests made since. Unfrozen, one held
+    # the GIL for over a hundred milliseconds (docs/JOURNAL.md): every stream stalled.
     gc.collect()
     gc.freeze()
     fe.set_ready(engine, plan)

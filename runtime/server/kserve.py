@@ -20,6 +20,7 @@ the output tokens of its delta (their sum is the total).
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,8 @@ from kiln.runtime.server.errors import ServiceError, invalid, not_found
 from kiln.runtime.server.frontend import Frontend
 from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.tensors import Tensor, decode_inputs, encode
+
+log = logging.getLogger("kiln.server")
 
 
 @dataclass(frozen=True)
@@ -387,8 +390,12 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
                     self.stats.fail(t0)
                     await write(_error(request.id, e.message))
                     continue
+                except Exception as e:         # a defect: this request fails, the stream goes on
+                    self.stats.fail(t0)
+                    await write(_error(request.id, _internal(request.id, e)))
+                    continue
                 await slots.acquire()          # released when the request's task ends
-                task = asyncio.create_task(self._stream_one(job, write, t0))
+                task = asyncio.create_task(self._stream_one(job, write, t0, context))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 task.add_done_callback(lambda _: slots.release())
@@ -399,7 +406,9 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
             for t in list(tasks):
                 t.cancel()
 
-    async def _stream_one(self, job: KServeRequest, write, t0: float) -> None:
+    async def _stream_one(self, job: KServeRequest, write, t0: float, context) -> None:
+        """Run one request of a stream and write its responses; whatever it raises ends it
+        alone, reported in its own error_message (the stream and its other requests go on)."""
         try:
             if not job.stream:
                 res = await self._complete(job, t0)
@@ -422,6 +431,17 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         except ServiceError as e:
             self.stats.fail(t0)
             await write(_error(job.id, e.message))
+        except Exception as e:
+            if context.done():                 # the call has ended: no one to tell
+                raise
+            self.stats.fail(t0)
+            await write(_error(job.id, _internal(job.id, e)))
+
+
+def _internal(request_id: str, e: Exception) -> str:
+    """Log a defect hit while serving one request; -> the error_message its client gets."""
+    log.error("KServe stream request %r failed", request_id, exc_info=e)
+    return f"internal error: {type(e).__name__}: {e}"
 
 
 def _retrieve(task: asyncio.Task) -> None:

@@ -15,7 +15,7 @@ without importing torch.
 Two sections stay open dicts because their schema lives with their writer: `spec` (the
 resolved spec, builder/spec.py `Spec.canonical()`; `PlanManifest.golden` and the properties
 beside it are typed views of what the runtime reads from it) and `model.config` (the
-architecture's config, builder/arch `LlamaConfig.to_dict()`; ModelSection.shape is its typed
+architecture's config, builder/arch `DecoderConfig.to_dict()`; ModelSection.shape is its typed
 view).
 """
 from __future__ import annotations
@@ -158,8 +158,8 @@ class ModelShape:
 @dataclass(frozen=True)
 class ModelSection(_Section):
     """model: what was compiled."""
-    family: str                    # llama | mistral | qwen2
-    config: dict                   # builder/arch LlamaConfig.to_dict(); typed view: .shape
+    family: str                    # HF model_type / GGUF arch (builder/arch/families.py)
+    config: dict                   # builder/arch DecoderConfig.to_dict(); typed view: .shape
     num_parameters: int
     source: str                    # for a person: "random seed 0", a path, a GGUF
     source_path: Optional[str]     # the checkpoint on the build machine (None: random)

@@ -1,9 +1,9 @@
 """Checkpoint sources: a HF safetensors directory, a GGUF file, or random weights.
 
     ckpt = open_checkpoint(spec.model)       # config, tokenizer, generation, digest
-    model = load_model(ckpt)                 # LlamaModel with every parameter filled once
+    model = load_model(ckpt)                 # DecoderModel with every parameter filled once
 
-Which source tensor feeds which parameter is declared in builder/arch/llama_loader.py.
+Which source tensor feeds which parameter is declared by each family (builder/arch/families.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln.builder.arch.llama import LlamaModel, rope_inv_freq
+from kiln.builder.arch.blocks import DecoderModel, rope_inv_freq
+from kiln.builder.arch.families import build_model
 from kiln.builder.sources.base import Checkpoint, CheckpointError
 from kiln.builder.uptodate import PKG_SCHEME, find_package_dir
 
@@ -111,8 +112,8 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-               progress=None) -> LlamaModel:
-    """A LlamaModel (eval mode, no grad) with every parameter taken from ckpt.tensors().
+               progress=None) -> DecoderModel:
+    """The family's model (eval mode, no grad) with every parameter taken from ckpt.tensors().
 
     The model is built on the meta device; each streamed tensor is assigned to its
     parameter, so the weights exist once. Raises CheckpointError naming any tensor that
@@ -120,7 +121,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
     (a builder.progress.Progress) counts the tensors as they arrive.
     """
     with torch.device("meta"):
-        model = LlamaModel(ckpt.config)
+        model = build_model(ckpt.config)
     declared = {n: tuple(p.shape) for n, p in model.named_parameters()}
     filled: set[str] = set()
     for name, tensor in ckpt.tensors(dtype):

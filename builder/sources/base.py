@@ -6,7 +6,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from kiln.builder.arch.llama import LlamaConfig
+from kiln.builder.arch.config import DecoderConfig
 
 
 class CheckpointError(ValueError):
@@ -15,7 +15,7 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Checkpoint:
-    config: LlamaConfig
+    config: DecoderConfig
     tokenizer_json: str          # a complete HF `tokenizers` JSON (tokenizer.json content)
     generation: dict             # bos_token_id, eos_token_ids [..], chat_template (str|None),
     #                              pad_token_id, add_bos_token (True when the tokenizer.json's
@@ -30,9 +30,9 @@ class Checkpoint:
         return self._stream(dtype)
 
 
-def build_mapped(plan: Iterable, read: Callable[[str], torch.Tensor], config: LlamaConfig,
+def build_mapped(plan: Iterable, read: Callable[[str], torch.Tensor], config: DecoderConfig,
                  where: object, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our (name, tensor) pairs from a source's mapping plan (builder/arch/llama_loader.py),
+    """Our (name, tensor) pairs from a source's mapping plan (builder/arch/weights.py),
     one at a time; a transform's ValueError becomes a CheckpointError naming `where`."""
     for m in plan:
         try:

@@ -1,6 +1,7 @@
 """A GGUF file (llama.cpp): config and tokenizer from metadata, tensors dequantized to float.
 
-Supported architectures: llama (incl. SmolLM, Mistral-as-llama), mistral, qwen2. Every
+Supported architectures: those of builder/arch/families.py (llama incl. SmolLM and
+Mistral-as-llama, mistral, qwen2, qwen3). Every
 quantization `gguf.quants.dequantize` knows (Q4_0/1, Q5_x, Q8_0, K-quants, F16, BF16, F32).
 weights_digest is the sha256 of the file (what `sha256sum` prints).
 """
@@ -13,13 +14,13 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from kiln.builder.arch.llama import LlamaConfig
-from kiln.builder.arch.llama_loader import MappingError, plan_mapping
+from kiln.builder.arch.config import DecoderConfig
+from kiln.builder.arch.families import family_for_gguf, plan_mapping
+from kiln.builder.arch.weights import MappingError
 from kiln.builder.sources.base import Checkpoint, CheckpointError, build_mapped
 from kiln.builder.sources.digest import file_sha256
 from kiln.builder.sources.tokenizer_build import from_gguf_vocab
 
-ARCHS = ("llama", "mistral", "qwen2")
 MAGIC = b"GGUF"
 
 
@@ -48,11 +49,12 @@ def _metadata(reader) -> dict:
     return meta
 
 
-def _config(meta: dict, names: set[str], path: Path) -> LlamaConfig:
+def _config(meta: dict, names: set[str], path: Path) -> DecoderConfig:
     arch = meta.get("general.architecture")
-    if arch not in ARCHS:
-        raise CheckpointError(f"{path}: general.architecture {arch!r} is not supported; "
-                              f"supported: {', '.join(ARCHS)}")
+    try:
+        family = family_for_gguf(arch)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
     def get(key, default=None, required=True):
         full = f"{arch}.{key}"
@@ -75,7 +77,7 @@ def _config(meta: dict, names: set[str], path: Path) -> LlamaConfig:
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     try:
-        return LlamaConfig(
+        return DecoderConfig(
             vocab_size=int(get("vocab_size", len(tokens) or None)),
             hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
             num_layers=int(get("block_count")), num_heads=heads,
@@ -85,9 +87,9 @@ def _config(meta: dict, names: set[str], path: Path) -> LlamaConfig:
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(get("context_length", 2048)),
             tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)), family=arch)
+            eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)), family=arch,
+            **family.gguf_options(arch, names))
     except ValueError as e:
         raise CheckpointError(f"{path}: inconsistent metadata: {e}") from None
 

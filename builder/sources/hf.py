@@ -15,8 +15,9 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from kiln.builder.arch.llama import LlamaConfig
-from kiln.builder.arch.llama_loader import MappingError, plan_mapping
+from kiln.builder.arch.config import UnsupportedConfig
+from kiln.builder.arch.families import config_from_hf, plan_mapping
+from kiln.builder.arch.weights import MappingError
 from kiln.builder.sources.base import Checkpoint, CheckpointError, build_mapped
 from kiln.builder.sources.digest import files_sha256
 
@@ -93,7 +94,9 @@ def _token_id(tok: Tokenizer, value) -> Optional[int]:
 def open_hf_dir(root: Path) -> Checkpoint:
     cfg_json = _read_json(root / "config.json")
     try:
-        config = LlamaConfig.from_hf(cfg_json)
+        config = config_from_hf(cfg_json)
+    except UnsupportedConfig as e:   # names the key, its value and what is supported
+        raise CheckpointError(f"{root / 'config.json'}: {e}") from None
     except (KeyError, ValueError, TypeError) as e:
         raise CheckpointError(f"{root / 'config.json'}: cannot make a model config: "
                               f"{e!r}") from None

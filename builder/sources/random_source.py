@@ -2,7 +2,7 @@
 
 Linear and embedding weights ~ N(0, 0.02), biases ~ N(0, 0.02), norm weights 1 + N(0, 0.02)
 (near 1, not exactly, so a norm that is skipped shows). Parameters are drawn in
-LlamaModel's declaration order from one torch.Generator, so a seed always gives the same
+DecoderModel's declaration order from one torch.Generator, so a seed always gives the same
 model. weights_digest = sha256 of the canonical {arch, seed, tokenizer} JSON.
 """
 from __future__ import annotations
@@ -14,19 +14,21 @@ from typing import Iterator, Optional
 
 import torch
 
-from kiln.builder.arch.llama import LlamaConfig, param_shapes
+from kiln.builder.arch.blocks import param_shapes
+from kiln.builder.arch.config import DecoderConfig
+from kiln.builder.arch.families import config_from_hf
 from kiln.builder.sources.base import Checkpoint, CheckpointError
 from kiln.builder.sources.tokenizer_build import byte_level
 
 GENERATOR_VERSION = 1   # bump when the drawing scheme changes (changes every digest)
 
 
-def config_from_arch(arch) -> LlamaConfig:
-    """kiln.builder.spec.RandomArch -> LlamaConfig (via the HF config.json field names)."""
+def config_from_arch(arch) -> DecoderConfig:
+    """kiln.builder.spec.RandomArch -> DecoderConfig (via the HF config.json field names)."""
     cfg = arch.model_dump()
     hf = {"model_type": "qwen2" if cfg["attention_bias"] else "llama", **cfg}
     try:
-        return LlamaConfig.from_hf(hf)
+        return config_from_hf(hf)
     except (KeyError, ValueError) as e:
         raise CheckpointError(f"random: cannot make a model config from arch: {e}") from None
 

@@ -238,6 +238,26 @@ def test_failed_build_leaves_nothing(tmp_path):
     assert list((tmp_path / "plans").iterdir()) == [] if (tmp_path / "plans").exists() else True
 
 
+def test_refused_config_setting_leaves_nothing(tmp_path):
+    """A config.json setting kiln does not implement stops the build before anything is
+    written, and the error names the key, its value and what is supported."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({
+        "model_type": "qwen3", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 128,
+        "hidden_act": "gelu_pytorch_tanh"}))
+    spec = tmp_path / "s.yaml"
+    spec.write_text(f"name: refused\nmodel: {{source: {ckpt}}}\nlimits: {{max_seq_len: 64, "
+                    "max_batch_size: 2, max_num_tokens: 16}\n")
+    out = tmp_path / "plans" / "refused"
+    with pytest.raises(Exception, match=r"hidden_act='gelu_pytorch_tanh' is not supported for "
+                       r"model_type 'qwen3'; supported: silu"):
+        build(spec, out)
+    assert not out.exists()
+    assert not (tmp_path / "plans").exists() or not list((tmp_path / "plans").iterdir())
+
+
 def test_bad_spec_exits_2(tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("name: x\nmodel: {source: random}\nlimits: {max_batch: 3}\n")

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kiln.builder.arch.llama_loader import permute_rope
+from kiln.builder.arch.weights import permute_rope
 from kiln.builder.sources import load_model, open_checkpoint
 from kiln.builder.sources.tokenizer_build import byte_level
 from kiln.builder.spec import ModelSpec, RandomArch
@@ -32,6 +32,10 @@ CASES = {
     "qwen2_bias": ("qwen2", dict(tie_word_embeddings=False), {}),
     "tied": ("llama", dict(tie_word_embeddings=True), {}),
     "sharded": ("llama", dict(tie_word_embeddings=False), dict(max_shard_size="60KB")),
+    # head_dim 32 while hidden / heads is 16: Qwen3 reads its own
+    "qwen3": ("qwen3", dict(tie_word_embeddings=False, head_dim=32), {}),
+    "qwen3_tied_sharded": ("qwen3", dict(tie_word_embeddings=True, head_dim=32),
+                           dict(max_shard_size="60KB")),
 }
 PROMPTS = [[5, 77, 200, 31, 9], list(range(40, 51)), [300, 12] * 9 + [7]]
 NEW_TOKENS = 32
@@ -40,7 +44,8 @@ NEW_TOKENS = 32
 def _hf_model(family: str, cfg_kw: dict, seed: int = 0):
     torch.manual_seed(seed)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
     model = cls[1](cls[0](**TINY, **cfg_kw)).eval()
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: make mapping errors show
         for name, p in model.named_parameters():
@@ -87,10 +92,11 @@ def test_hf_dir_matches_transformers(hf_case, digest_cache):
     name, d, hf_model = hf_case
     ckpt = open_checkpoint(ModelSpec(source=str(d)))
     assert ckpt.source_desc == f"hf dir {d}"
-    assert ckpt.config.tie_word_embeddings == (name == "tied")
+    assert ckpt.config.tie_word_embeddings == (name in ("tied", "qwen3_tied_sharded"))
+    assert ckpt.config.qk_norm == name.startswith("qwen3")
     assert ckpt.config.attention_bias == (name == "qwen2_bias")
     assert (ckpt.config.rope_scaling is not None) == (name == "llama3_rope")
-    if name == "sharded":
+    if "sharded" in name:
         assert (d / "model.safetensors.index.json").exists()
         assert len(list(d.glob("*.safetensors"))) > 1
     assert ckpt.generation == {"bos_token_id": 1, "eos_token_ids": [2], "pad_token_id": None,
@@ -127,6 +133,9 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg.vocab_size)
+    if family == "qwen3":
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     tok = json.loads(byte_level(VOCAB, 1, 2))
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
@@ -141,7 +150,8 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     names = {"embed_tokens": "token_embd", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+             "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, t in hf_model.state_dict().items():
         t = t.detach().float()
@@ -167,9 +177,11 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     w.close()
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False),
+                                         ("qwen3", False), ("qwen3", True)])
 def test_gguf_matches_hf(tmp_path, digest_cache, family, tied):
-    hf_model = _hf_model(family, dict(tie_word_embeddings=tied), seed=1)
+    extra = dict(head_dim=32) if family == "qwen3" else {}
+    hf_model = _hf_model(family, dict(tie_word_embeddings=tied, **extra), seed=1)
     path = tmp_path / "tiny.gguf"
     _write_gguf(path, family, hf_model)
     ckpt = open_checkpoint(ModelSpec(source=str(path)))

@@ -131,6 +131,34 @@ def test_bad_config(tmp_path):
         _open(d)
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("model_type,key,value,message", [
+    ("llama", "hidden_act", "gelu", "hidden_act='gelu' is not supported for model_type "
+     "'llama'; supported: silu"),
+    ("qwen3", "hidden_act", "relu", "hidden_act='relu' .*supported: silu"),
+    ("llama", "rope_scaling", YARN, "rope_scaling.rope_type='yarn' is not supported for "
+     "model_type 'llama'; supported: default, llama3"),
+    ("qwen3", "rope_scaling", YARN, "rope_scaling.rope_type='yarn' .*'qwen3'"),
+    ("llama", "attention_bias", True, "attention_bias=True .*supported: false"),
+    ("qwen3", "attention_bias", True, "attention_bias=True .*'qwen3'; supported: false"),
+    ("llama", "mlp_bias", True, "mlp_bias=True .*supported: false"),
+    ("qwen2", "partial_rotary_factor", 0.5, "partial_rotary_factor=0.5 .*supported: 1.0"),
+    ("llama", "final_logit_softcapping", 30.0, "final_logit_softcapping=30.0 .*no "
+     "soft-capping"),
+    ("qwen3", "attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
+    ("gemma2", "model_type", "gemma2", "model_type 'gemma2' is not supported; supported: "
+     "llama, mistral, qwen2, qwen3"),
+])
+def test_config_that_changes_the_math_is_refused(tmp_path, model_type, key, value, message):
+    """A setting no block implements is refused naming the key, its value and what works,
+    never read past (before, an unknown hidden_act or soft-capping built a wrong model)."""
+    d = _write_hf(tmp_path / "m", config={**HF_CONFIG, "model_type": model_type, key: value})
+    with pytest.raises(CheckpointError, match=r"config\.json: .*" + message):
+        _open(d)
+
+
 def test_missing_directory(tmp_path):
     with pytest.raises(CheckpointError, match=r"nope: no such file or directory"):
         _open(tmp_path / "nope")

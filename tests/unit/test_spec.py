@@ -145,10 +145,10 @@ MISTRAL = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32,
 def test_mistral_sliding_window_caps_max_seq_len(max_seq_len, refused):
     """The paged attention op has no window: a context past Mistral's sliding_window would
     attend differently from the model, so the build refuses it and names the fix."""
-    from kiln.builder.arch.llama import LlamaConfig
+    from kiln.builder.arch.families import config_from_hf
     from kiln.builder.build import check_spec_against_model
 
-    cfg = LlamaConfig.from_hf(MISTRAL)
+    cfg = config_from_hf(MISTRAL)
     assert cfg.sliding_window == 512
     spec = parse_spec(BASE + f"limits: {{max_seq_len: {max_seq_len}}}\n")
     if not refused:
@@ -160,10 +160,11 @@ def test_mistral_sliding_window_caps_max_seq_len(max_seq_len, refused):
     assert "sliding_window of 512" in str(e.value) and "max_seq_len <= 512" in str(e.value)
 
 
-def test_qwen2_window_counts_only_when_used():
-    from kiln.builder.arch.llama import LlamaConfig
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_qwen_window_counts_only_when_used(model_type):
+    from kiln.builder.arch.families import config_from_hf
 
-    qwen = {**MISTRAL, "model_type": "qwen2", "sliding_window": 4096}
-    assert LlamaConfig.from_hf(qwen).sliding_window is None
-    assert LlamaConfig.from_hf({**qwen, "use_sliding_window": True}).sliding_window == 4096
-    assert LlamaConfig.from_hf({**MISTRAL, "sliding_window": None}).sliding_window is None
+    qwen = {**MISTRAL, "model_type": model_type, "sliding_window": 4096}
+    assert config_from_hf(qwen).sliding_window is None
+    assert config_from_hf({**qwen, "use_sliding_window": True}).sliding_window == 4096
+    assert config_from_hf({**MISTRAL, "sliding_window": None}).sliding_window is None

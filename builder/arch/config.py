@@ -1,0 +1,81 @@
+"""The decoder's model config: one frozen dataclass every family fills from its source.
+
+Families (builder/arch/families.py `config_from_hf`, the GGUF source) read a HF config.json or GGUF metadata into it; the
+shared blocks (builder/arch/blocks.py) read their options from it. A setting the blocks
+cannot honour is refused while reading (builder/arch/family.py), never dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency-dependent RoPE scaling."""
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class UnsupportedConfig(ValueError):
+    """A config setting that changes the model's math and that kiln does not implement."""
+
+    def __init__(self, key: str, value, supported: str, family: str):
+        self.key, self.value = key, value
+        super().__init__(f"config.json {key}={value!r} is not supported for model_type "
+                         f"{family!r}; supported: {supported}")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False          # biases on q/k/v (Qwen2)
+    qk_norm: bool = False                 # per-head RMSNorm of q and k before RoPE (Qwen3)
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = ()
+    family: str = "llama"                 # the HF model_type / GGUF architecture read from
+    sliding_window: Optional[int] = None  # each token attends to the last this many tokens;
+                                          # None: the whole context. The paged attention op
+                                          # has no window: the builder refuses a max_seq_len
+                                          # above it (build.check_spec_against_model)
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderConfig":
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        if self.attention_bias:
+            attn += (self.num_heads + 2 * self.num_kv_heads) * d
+        if self.qk_norm:
+            attn += 2 * d
+        layer = attn + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + h

@@ -77,12 +77,16 @@ class StepInputs:
 
 class Attention(nn.Module):
     """GQA self-attention over the paged KV pools. Options: q/k/v bias (cfg.attention_bias),
-    per-head q and k RMSNorm before RoPE (cfg.qk_norm)."""
+    per-head q and k RMSNorm before RoPE (cfg.qk_norm), the layer's sliding window
+    (cfg.window_for), score soft-capping (cfg.attn_logit_softcap), the score scale
+    (cfg.query_scale)."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scale = 1.0 / math.sqrt(self.d)
+        self.scale = cfg.query_scale or 1.0 / math.sqrt(self.d)
+        self.window = cfg.window_for(layer)
+        self.softcap = cfg.attn_logit_softcap or 0.0
         # q, k, v fused along the output dim: [(H + 2*KVH) * D, hidden]
         self.wqkv = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d,
                               bias=cfg.attention_bias)
@@ -105,7 +109,8 @@ class Attention(nn.Module):
         v = v.reshape(T, self.kvh, self.d)
         o = paged_kv_ops.paged_attention(q, k, v, k_cache, v_cache, s.slot_mapping,
                                          s.block_tables, s.context_lens, s.query_start_loc,
-                                         self.scale)   # kiln::paged_attention(_triton on CUDA)
+                                         self.scale, window=self.window, softcap=self.softcap)
+        # kiln::paged_attention (kiln::paged_attention_triton on CUDA)
         return self.wo(o.reshape(T, self.h * self.d))
 
 
@@ -126,10 +131,10 @@ class GatedMLP(nn.Module):
 class TransformerBlock(nn.Module):
     """One decoder layer: pre-norm attention then pre-norm MLP, each with its residual."""
 
-    def __init__(self, cfg: DecoderConfig):
+    def __init__(self, cfg: DecoderConfig, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = GatedMLP(cfg)
 
@@ -145,7 +150,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.output = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -47,15 +47,26 @@ class DecoderConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
     family: str = "llama"                 # the HF model_type / GGUF architecture read from
-    sliding_window: Optional[int] = None  # each token attends to the last this many tokens;
-                                          # None: the whole context. The paged attention op
-                                          # has no window: the builder refuses a max_seq_len
-                                          # above it (build.check_spec_against_model)
+    sliding_window: Optional[int] = None  # each token attends to the last this many tokens
+                                          # (itself included); None: the whole context
+    sliding_layers: tuple[int, ...] = ()  # the layers the window applies to; () with a
+                                          # window: every layer (Mistral); others are global
+    attn_logit_softcap: Optional[float] = None   # scores -> c * tanh(scores / c) (Gemma 2)
+    final_logit_softcap: Optional[float] = None  # logits -> c * tanh(logits / c)
+    query_scale: Optional[float] = None   # attention score scale; None: 1 / sqrt(head_dim)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+
+    def window_for(self, layer: int) -> int:
+        """The attention window of a layer in tokens; 0: the whole context."""
+        if self.sliding_window is None:
+            return 0
+        if self.sliding_layers and layer not in self.sliding_layers:
+            return 0
+        return self.sliding_window
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +77,7 @@ class DecoderConfig:
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         return cls(**d)
 
     @property

@@ -94,10 +94,17 @@ def _paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
 
 
 def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                    query_start_loc, scale: float) -> torch.Tensor:
+                    query_start_loc, scale: float, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """The op for q's device: on CUDA the Triton kernels (kiln::paged_attention_triton, which
     AOTInductor compiles into the plan), elsewhere kiln::paged_attention (the fastest kernel
-    registered for the device). Chosen when the model is traced: devices are static."""
+    registered for the device). Chosen when the model is traced: devices are static.
+    window > 0: each token attends to the last `window` positions (itself included);
+    softcap > 0: scores (after `scale`) become softcap * tanh(scores / softcap)."""
+    # The kernels do not take the window yet: build.check_spec_against_model refuses a
+    # max_seq_len above it, so it never binds in a plan.
+    if softcap:
+        raise NotImplementedError(f"kiln::paged_attention has no soft-capping yet ({softcap})")
     if q.device.type == "cuda":
         from kiln.plugins.paged_kv import triton_attention  # noqa: F401  (imports triton)
 

@@ -258,7 +258,8 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
 
     level = None if spec.target.is_gpu else cpu_isa.level(target.isa)
     progress.stage(f"building kernels (CPU ISA {level.name})" if level else "building kernels")
-    kernels = kcompile.build_kernels(tmp / "kernels", spec, level)
+    moe = model.cfg.num_experts > 0
+    kernels = kcompile.build_kernels(tmp / "kernels", spec, level, moe)
     kernel_paths = kcompile.kernel_paths(tmp, kernels, level)
     for lib, path in kernel_paths.items():
         progress.stage(f"kernel {lib}: {path}")
@@ -276,7 +277,7 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
     # The engine section, once: the build's check and accuracy gate load the engine by it.
     return EngineSection(backend=spec.target.backend, file=engine_file.name,
                          kernels=tuple(k.relative_to(tmp).as_posix() for k in kernels),
-                         plugins=tuple(kcompile.engine_plugins(spec)),
+                         plugins=tuple(kcompile.engine_plugins(spec, moe)),
                          kernel_paths=kernel_paths, inputs=tuple(kcompile.INPUT_NAMES))
 
 

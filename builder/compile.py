@@ -22,13 +22,15 @@ from kiln.runtime.executor import STEP_INPUTS, ModelInput
 INPUT_NAMES = tuple(s.name for s in STEP_INPUTS) + ("k_caches", "v_caches")
 
 
-def engine_plugins(spec) -> list[str]:
-    """The plugins whose ops the engine calls (imported by the runtime before it loads)."""
-    return ["paged_kv"] + (["quant"] if spec.packed_weights else [])
+def engine_plugins(spec, moe: bool = False) -> list[str]:
+    """The plugins whose ops the engine calls (imported by the runtime before it loads);
+    `moe`: the model has experts (kiln::moe_experts)."""
+    return ["paged_kv"] + (["quant"] if spec.packed_weights else []) + (["moe"] if moe else [])
 
 
-def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
-    """Compile the plugins' C++ kernels for the target's ISA level and copy them into the plan."""
+def build_kernels(out_dir: Path, spec, level: IsaLevel | None, moe: bool = False) -> list[Path]:
+    """Compile the plugins' C++ kernels for the target's ISA level and copy them into the plan
+    (`moe`: the model has experts)."""
     libs = []
     if spec.target.is_gpu:
         return libs
@@ -40,6 +42,10 @@ def build_kernels(out_dir: Path, spec, level: IsaLevel | None) -> list[Path]:
         from kiln.plugins.quant import kernels as q_kernels
 
         libs.append(q_kernels.build(level))
+    if moe:
+        from kiln.plugins.moe import kernels as moe_kernels
+
+        libs.append(moe_kernels.build(level))
     libs.append(call_kernels.build(level))   # the runtime calls the engine through it, GIL free
     out_dir.mkdir(parents=True, exist_ok=True)
     copied = []

@@ -14,7 +14,8 @@ import torch
 
 # the ops with C++ CPU kernels (and shims) in the plugins' kernel libraries
 CPU_OPS = ("linear_int8", "linear_int4", "linear_fp8", "linear_bf16", "linear_fp32",
-           "linear_int8_a8", "linear_int4_a8", "linear_int4_rows16", "paged_attention")
+           "linear_int8_a8", "linear_int4_a8", "linear_int4_rows16", "paged_attention",
+           "moe_experts")
 
 _ARG_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*",
               "int": "int64_t", "float": "double"}
@@ -39,6 +40,7 @@ def declarations() -> dict[torch._ops.OpOverload, list[str]]:
     """aot_inductor.custom_ops_to_c_shims for a CPU plan: every kiln op with a CPU kernel."""
     from kiln.plugins.paged_kv import ops as _pa  # noqa: F401  (the schemas)
     from kiln.plugins.quant import ops as _q  # noqa: F401
+    from kiln.plugins.moe import ops as _moe  # noqa: F401
 
     out = {}
     for name in CPU_OPS:

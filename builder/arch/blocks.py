@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.builder.arch.config import DecoderConfig
+from kiln.builder.arch.moe import MoE
 from kiln.plugins.paged_kv import ops as paged_kv_ops  # registers kiln::paged_attention
 
 
@@ -136,7 +137,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.feed_forward = GatedMLP(cfg)
+        self.feed_forward = MoE(cfg) if layer in cfg.sparse_layers else GatedMLP(cfg)
 
     def forward(self, x, s: StepInputs, k_cache, v_cache):
         x = x + self.attention(self.attention_norm(x), s, k_cache, v_cache)

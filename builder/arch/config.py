@@ -54,6 +54,12 @@ class DecoderConfig:
     attn_logit_softcap: Optional[float] = None   # scores -> c * tanh(scores / c) (Gemma 2)
     final_logit_softcap: Optional[float] = None  # logits -> c * tanh(logits / c)
     query_scale: Optional[float] = None   # attention score scale; None: 1 / sqrt(head_dim)
+    # Mixture of experts (builder/arch/moe.py); num_experts 0: every layer is a dense MLP
+    num_experts: int = 0                  # experts per sparse layer
+    experts_per_token: int = 0            # top-k experts each token is routed to
+    moe_intermediate_size: int = 0        # one expert's hidden width
+    normalize_topk: bool = True           # top-k softmax weights renormalized to sum to 1
+    sparse_layers: tuple[int, ...] = ()   # the layers whose MLP is the experts
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -77,6 +83,7 @@ class DecoderConfig:
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))
         return cls(**d)
 
@@ -88,6 +95,9 @@ class DecoderConfig:
             attn += (self.num_heads + 2 * self.num_kv_heads) * d
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 3 * h * i + 2 * h
+        layer = attn + 2 * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        sparse = len(self.sparse_layers)
+        experts = self.num_experts * (3 * h * self.moe_intermediate_size) + h * self.num_experts
+        return (self.num_layers * layer + (self.num_layers - sparse) * 3 * h * i
+                + sparse * experts + emb + h)

@@ -62,6 +62,7 @@ class Rule:
     pieces: tuple[Piece, ...]     # concatenated along dim 0 when more than one
     when: str = "always"          # always | untied | or a bool field of the config
                                   # (attention_bias, qk_norm): mapped only when it is set
+                                  # | sparse_layer | dense_layer (LAYER_WHEN)
 
 
 def pieces(*names: str) -> tuple[Piece, ...]:
@@ -101,6 +102,20 @@ class MappingError(ValueError):
         super().__init__("; ".join(msgs))
 
 
+# Rule.when values that select layers: the sparse (experts) ones or the dense ones.
+LAYER_WHEN = {"sparse_layer": lambda cfg, i: i in cfg.sparse_layers,
+              "dense_layer": lambda cfg, i: i not in cfg.sparse_layers}
+
+
+def _per_expert(ps: tuple[Piece, ...], cfg: DecoderConfig) -> tuple[Piece, ...]:
+    """Pieces naming `{e}` repeated for each expert e (all of one expert's pieces, then the
+    next expert's): the experts' matrices stacked along dim 0."""
+    if not any("{e}" in p.name for p in ps):
+        return ps
+    return tuple(Piece(p.name.replace("{e}", str(e)), p.transform)
+                 for e in range(cfg.num_experts) for p in ps)
+
+
 def expand_rules(cfg: DecoderConfig, rules: tuple[Rule, ...], ignore: tuple[str, ...],
                  available: set[str] | list[str]) -> list[Mapped]:
     """Expand `rules` for `cfg` and check them against the source names `available`
@@ -114,13 +129,15 @@ def expand_rules(cfg: DecoderConfig, rules: tuple[Rule, ...], ignore: tuple[str,
         if rule.when == "untied":
             if cfg.tie_word_embeddings:
                 continue
-        elif rule.when != "always" and not getattr(cfg, rule.when):
+        elif rule.when not in ("always", *LAYER_WHEN) and not getattr(cfg, rule.when):
             continue
         layers = range(cfg.num_layers) if "{i}" in rule.target else [None]
+        if rule.when in LAYER_WHEN:
+            layers = [i for i in layers if LAYER_WHEN[rule.when](cfg, i)]
         for i in layers:
             fill = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)
-            plan.append(Mapped(fill(rule.target),
-                               tuple(Piece(fill(p.name), p.transform) for p in rule.pieces)))
+            plan.append(Mapped(fill(rule.target), tuple(
+                Piece(fill(p.name), p.transform) for p in _per_expert(rule.pieces, cfg))))
     used = {p.name for m in plan for p in m.pieces}
     missing = [(m.target, p.name) for m in plan for p in m.pieces if p.name not in available]
     ign = [re.compile(pat) for pat in ignore]

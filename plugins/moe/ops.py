@@ -1,0 +1,82 @@
+"""The `kiln::moe_experts` custom op: schema, fake (for export) and pure-torch reference;
+`route`, the top-k softmax routing every family shares.
+
+One call per sparse layer runs the selected experts of every token of the packed step:
+
+    x [T, H]; topk_ids [T, k] int64; topk_weights [T, k] float32
+    w13 [E, 2*I, H] (each expert's gate rows then up rows); w2 [E, H, I]
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(w13[e, :I] @ x[t]) * (w13[e, I:] @ x[t]))
+             with e = topk_ids[t, j], summed in j order
+
+Kernels group the tokens by expert and make one pass over each selected expert's weights.
+Every token's output is computed the same way whatever other tokens share the step (each
+dot product in a fixed order, the k contributions summed in j order): batch-invariant.
+
+The reference is registered for CompositeExplicitAutograd (any device); the compiled CPU
+kernel (csrc/moe_experts_cpu.cpp, plugins.moe.kernels) is registered for CPU and takes
+precedence once loaded. Both compute in float32; the output has x's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SCHEMA = ("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
+          "Tensor w2) -> Tensor")
+
+_lib = torch.library.Library("kiln", "FRAGMENT")
+_lib.define(SCHEMA)
+
+
+def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] float32): softmax
+    over all experts in float32, the k largest, renormalized to sum to 1 when `normalize`
+    (Mixtral; Qwen3-MoE with norm_topk_prob). Per row, so batch-invariant."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+def check_args(x, topk_ids, topk_weights, w13, w2) -> None:
+    """ValueError naming the argument whose shape does not fit the others."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"kiln::moe_experts: x [T, H], w13 [E, 2I, H], w2 [E, H, I] expected; "
+                         f"got {list(x.shape)}, {list(w13.shape)}, {list(w2.shape)}")
+    e, two_i, h = w13.shape
+    if h != x.shape[1] or tuple(w2.shape) != (e, h, two_i // 2) or two_i % 2:
+        raise ValueError(f"kiln::moe_experts: w13 {list(w13.shape)} and w2 {list(w2.shape)} "
+                         f"do not fit x {list(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"kiln::moe_experts: topk_ids {list(topk_ids.shape)} and topk_weights "
+                         f"{list(topk_weights.shape)} must both be [T={x.shape[0]}, k]")
+
+
+def moe_experts_reference(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
+    """Pure-torch experts pass: tokens grouped by expert, each selected expert once."""
+    check_args(x, topk_ids, topk_weights, w13, w2)
+    T, k = topk_ids.shape
+    inter = w2.shape[2]
+    xf = x.float()
+    contrib = xf.new_zeros((T, k, x.shape[1]))                      # [T, k, H]
+    flat = topk_ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        rows = (flat == e).nonzero().squeeze(1)                      # (t, j) pairs, flattened
+        t = rows // k
+        h = xf[t] @ w13[e].float().T                                 # [n, 2I]
+        a = F.silu(h[:, :inter]) * h[:, inter:]
+        contrib.view(T * k, -1)[rows] = a @ w2[e].float().T          # [n, H]
+    out = contrib[:, 0] * topk_weights[:, :1].float()
+    for j in range(1, k):                                            # in j order
+        out = out + contrib[:, j] * topk_weights[:, j:j + 1].float()
+    return out.to(x.dtype)
+
+
+_lib.impl("moe_experts", moe_experts_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::moe_experts")
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w2):
+    torch._check(w13.shape[2] == x.shape[1], lambda: "moe_experts: w13/x hidden mismatch")
+    return torch.empty_like(x)

@@ -107,13 +107,15 @@ class Batch:
     context_lens: torch.Tensor  # [B]
     query_start_loc: torch.Tensor  # [B+1]
     scale: float
+    window: int = 0             # the layer's sliding window (0: the whole context)
+    softcap: float = 0.0        # score soft-capping (0: off)
 
     def args(self, k_cache=None, v_cache=None):
         return (self.q, self.k, self.v,
                 self.k_cache if k_cache is None else k_cache,
                 self.v_cache if v_cache is None else v_cache,
                 self.slot_mapping, self.block_tables, self.context_lens, self.query_start_loc,
-                self.scale)
+                self.scale, self.window, self.softcap)
 
 
 def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float32,
@@ -211,6 +213,44 @@ SEQ_SHAPES = [              # [(tokens already in the pool, tokens this step)] p
 ]
 SEQ_SHAPE_IDS = ["decode1-2048", "decode1-301", "decode32-512", "prefill512", "chunk-after-context",
                  "first-token"]
+WINDOWS = [                 # (seqs, window): windows smaller and larger than the context
+    (MIXED, 33),                               # not a multiple of a block; chunks crossing it
+    ([(2047, 1)], 256),                        # long decode: the window's blocks, in partitions
+    ([(2047, 1), (700, 1)], 100),
+    ([(1000, 300), (7, 1)], 77),               # a chunk crossing the window after context
+    ([(0, 512)], 64),                          # a prefill chunk longer than the window
+    ([(50, 1), (0, 37)], 4096),                # a window larger than the context
+    ([(300, 1)] * 8 + [(20, 5)], 1),           # each token sees only itself
+]
+WINDOW_IDS = ["mixed-33", "decode2048-256", "decode-100", "chunk-77", "prefill512-64",
+              "beyond-context", "window-1"]
+
+
+def poison_outside_windows(batch: Batch) -> Batch:
+    """A copy of batch whose pool blocks lying wholly before the window of each sequence's
+    first query token hold NaN: a kernel that reads them (even to mask them) returns NaN."""
+    import dataclasses
+
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    bs = kc.shape[1]
+    q_lens = (batch.query_start_loc[1:] - batch.query_start_loc[:-1]).tolist()
+    for b, (ctx, nq) in enumerate(zip(batch.context_lens.tolist(), q_lens)):
+        first_visible = max(0, ctx - nq - batch.window + 1)
+        for blk in range(first_visible // bs):
+            kc[batch.block_tables[b, blk]] = float("nan")
+            vc[batch.block_tables[b, blk]] = float("nan")
+    return dataclasses.replace(batch, k_cache=kc, v_cache=vc)
+
+
+def check_window_skips_blocks(op, batch: Batch, atol=1e-4, rtol=1e-4) -> None:
+    """op on a pool poisoned outside the windows == the reference on the clean pool."""
+    from kiln.plugins.paged_kv.ops import paged_attention_reference
+
+    poisoned = poison_outside_windows(batch)
+    assert torch.isnan(poisoned.k_cache).any()
+    ref = paged_attention_reference(*batch.args(batch.k_cache.clone(), batch.v_cache.clone()))
+    out = op(*poisoned.args())
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
 
 # ---- quantized linear kernels: shapes and the kernel-vs-reference check --------------------

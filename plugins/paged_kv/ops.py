@@ -12,6 +12,16 @@ schema's mutated args, so AOTInductor calls it without copying the pool) and ret
 attention output. Token t attends to positions 0..pos(t) of its own sequence (causal inside
 a chunk, everything before the chunk from the pool). GQA: head h reads kv head h // (H/KVH).
 
+Options of a layer (0: off, the exact computation without them):
+    window > 0   the token at position p attends to positions (p - window, p] only (`window`
+                 keys, itself included; Mistral's and Gemma's local layers). The kernels start
+                 each query tile at its first visible block and never read blocks before it.
+    softcap > 0  scores (after `scale`) become softcap * tanh(scores / softcap), before the
+                 causal/window mask and the softmax (Gemma 2).
+The block pool keeps a windowed sequence's old blocks: they are freed with the sequence, not
+when they fall out of the window (a global layer, prefix caching and preemption all still
+see the whole block table, and a plan's layers share one table per sequence).
+
 Pools of int8 or float8_e4m3fn hold quantized rows (codes + a per-token, per-kv-head scale;
 plugins/paged_kv/kv_format.py): K/V are quantized when written and dequantized when read.
 
@@ -27,7 +37,7 @@ from kiln.plugins.paged_kv import kv_format
 SCHEMA = (
     "paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor slot_mapping, Tensor block_tables, Tensor context_lens, Tensor query_start_loc, "
-    "float scale) -> Tensor"
+    "float scale, int window=0, float softcap=0.0) -> Tensor"
 )
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
@@ -47,7 +57,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
-                              context_lens, query_start_loc, scale: float) -> torch.Tensor:
+                              context_lens, query_start_loc, scale: float, window: int = 0,
+                              softcap: float = 0.0) -> torch.Tensor:
     """Pure-torch paged attention (vectorized over sequences; pads queries per sequence).
 
     q [T, H, D]; k, v [T, KVH, D]; k_cache, v_cache [num_blocks, bs, KVH, D (+4 quantized)];
@@ -73,10 +84,14 @@ def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tab
     Qp[seq_ids, tok_idx] = q.float()
     Qp = Qp.view(B, max_q, KVH, G, D)
     scores = torch.einsum("bqkgd,bckd->bkgqc", Qp, K) * scale              # [B, KVH, G, Q, C]
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
     first_pos = (context_lens.long() - q_lens)                             # [B]
     qpos = first_pos[:, None] + torch.arange(max_q, device=dev)[None, :]  # [B, Q]
     cpos = torch.arange(ctx, device=dev)
     allowed = cpos[None, None, :] <= qpos[:, :, None]                      # [B, Q, C]
+    if window > 0:
+        allowed &= cpos[None, None, :] > qpos[:, :, None] - window
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)                 # padded rows -> 0
     out = torch.einsum("bkgqc,bckd->bqkgd", probs, V)                      # [B, Q, KVH, G, D]
@@ -89,7 +104,7 @@ _lib.impl("paged_attention", paged_attention_reference, "CompositeExplicitAutogr
 
 @torch.library.register_fake("kiln::paged_attention")
 def _paged_attention_fake(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                          query_start_loc, scale):
+                          query_start_loc, scale, window=0, softcap=0.0):
     return torch.empty_like(q)
 
 
@@ -101,15 +116,17 @@ def paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables, conte
     registered for the device). Chosen when the model is traced: devices are static.
     window > 0: each token attends to the last `window` positions (itself included);
     softcap > 0: scores (after `scale`) become softcap * tanh(scores / softcap)."""
-    # The kernels do not take the window yet: build.check_spec_against_model refuses a
-    # max_seq_len above it, so it never binds in a plan.
-    if softcap:
-        raise NotImplementedError(f"kiln::paged_attention has no soft-capping yet ({softcap})")
+    if window < 0 or softcap < 0:
+        raise ValueError(f"paged_attention: window ({window}) and softcap ({softcap}) must be "
+                         ">= 0 (0: off)")
     if q.device.type == "cuda":
         from kiln.plugins.paged_kv import triton_attention  # noqa: F401  (imports triton)
 
         op = torch.ops.kiln.paged_attention_triton
     else:
         op = torch.ops.kiln.paged_attention
+    if not window and not softcap:   # the call (and the graph) of a plain layer, unchanged
+        return op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                  query_start_loc, scale)
     return op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-              query_start_loc, scale)
+              query_start_loc, scale, int(window), float(softcap))

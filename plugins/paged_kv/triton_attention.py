@@ -19,7 +19,8 @@ Two kernels, launched in order on one stream:
     attend grid (T // BLOCK_Q + B, KVH)  one tile of <= BLOCK_Q query tokens of one sequence x
                                          the G query heads of one kv head; online softmax over
                                          the sequence's context, BLOCK_N keys at a time, each
-                                         key's block looked up in the block table
+                                         key's block looked up in the block table; with a
+                                         window, from the tile's first visible key
 
     program p of `attend` -> its sequence b: the last b with  qsl[b] // BLOCK_Q + b <= p
     (a binary search; these starts grow by >= 1 per sequence and leave each sequence at least
@@ -147,12 +148,19 @@ def _load_rows(cache_ptr, rows, n_valid, d, d_mask, D: tl.constexpr, QUANT: tl.c
 
 
 @triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap), tanh from exp (saturates to +-1 where exp overflows or vanishes)."""
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * (s / cap)) + 1.0))
+
+
+@triton.jit
 def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
-                   scale, B, sq_t, sq_h, so_t, so_h, sbt,
+                   scale, window, softcap, B, sq_t, sq_h, so_t, so_h, sbt,
                    KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr, OUT_BF16: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, OUT_BF16: tl.constexpr,
+                   WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     lo = 0
@@ -187,7 +195,11 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * G_PAD, D_PAD], tl.float32)
     kv_end = ctx_len - q_len + tl.minimum((tile + 1) * BLOCK_Q, q_len)   # keys this tile sees
-    for start in range(0, kv_end, BLOCK_N):
+    if WINDOWED:   # keys before the first row's window: never read
+        kv_start = tl.maximum(ctx_len - q_len + tile * BLOCK_Q - window + 1, 0)
+    else:
+        kv_start = 0
+    for start in range(kv_start, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_end
         blk = tl.load(bt_ptr + b.to(tl.int64) * sbt + n // BS, mask=n_valid, other=0)
@@ -195,7 +207,11 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
         kt = _load_rows(k_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         vt = _load_rows(v_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         allowed = (n[None, :] <= qpos[:, None]) & n_valid[None, :]
+        if WINDOWED:
+            allowed = allowed & (n[None, :] > qpos[:, None] - window)
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -259,9 +275,11 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Writes k, v into the pools at slot_mapping and returns attention [T, H, D] (q's dtype);
     arguments as kiln::paged_attention."""
+    if window < 0 or softcap < 0:
+        raise RuntimeError(f"{OP}: window ({window}) and softcap ({softcap}) must be >= 0")
     _check_inputs(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                   query_start_loc)
     q, k, v = _inner(q), _inner(k), _inner(v)
@@ -284,8 +302,9 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     block_q = max(1, ROWS // G_PAD)
     wrap_triton(_attend_kernel)[(T // block_q + B, KVH)](
         q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
-        scale, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        scale, window, softcap, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         KVH=KVH, G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, W=W, BS=BS, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N, QUANT=quant, DOT_PRECISION=dot_precision(q.dtype),
-        OUT_BF16=q.dtype == torch.bfloat16, num_warps=8 if D_PAD >= 128 else 4)
+        OUT_BF16=q.dtype == torch.bfloat16, WINDOWED=window > 0, SOFTCAP=softcap > 0,
+        num_warps=8 if D_PAD >= 128 else 4)
     return out

@@ -9,8 +9,8 @@ pytest.importorskip("triton")
 
 from kiln.plugins.paged_kv import kv_format, triton_attention  # noqa: E402
 from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES,  # noqa: E402
-                           Batch, check_int32_metadata_and_strided_qkv, check_paged_attention,
-                           make_batch)
+                           WINDOW_IDS, WINDOWS, Batch, check_int32_metadata_and_strided_qkv,
+                           check_paged_attention, check_window_skips_blocks, make_batch)
 
 pytestmark = pytest.mark.interpret
 
@@ -62,6 +62,32 @@ def test_quantized_cache(cache_dtype, dtype, H, KVH, D, bs):
     b = make_batch(MIXED, H, KVH, D, bs, dtype=dtype, cache_dtype=cache_dtype, seed=D + bs)
     assert b.k_cache.shape[-1] == D + 4
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    check(b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("seqs,window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("H,KVH,D,bs,softcap", [(9, 3, 64, 8, 0.0), (6, 2, 36, 16, 1.5)],
+                         ids=["smollm2", "d36-softcap"])
+def test_sliding_window(seqs, window, H, KVH, D, bs, softcap):
+    """A window per layer (and soft-capping): GQA, decode and chunks crossing the window."""
+    b = make_batch(seqs, H, KVH, D, bs, seed=window + D + bs)
+    b.window, b.softcap = window, softcap
+    check(b)
+
+
+@pytest.mark.parametrize("seqs,window", WINDOWS[:4], ids=WINDOW_IDS[:4])
+def test_window_never_reads_blocks_outside_it(seqs, window):
+    b = make_batch(seqs, 9, 3, 64, 16, seed=window)
+    b.window = window
+    check_window_skips_blocks(torch.ops.kiln.paged_attention_triton, b)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn],
+                         ids=["bf16", "int8", "fp8"])
+def test_window_and_softcap_every_pool(cache_dtype):
+    b = make_batch(MIXED, 8, 2, 128, 32, cache_dtype=cache_dtype, seed=5)
+    b.window, b.softcap = 45, 2.0
+    tol = 2e-2 if cache_dtype == torch.bfloat16 else 1e-4
     check(b, atol=tol, rtol=tol)
 
 

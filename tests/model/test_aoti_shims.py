@@ -23,7 +23,8 @@ def test_declarations_follow_the_schemas():
     assert decl[torch.ops.kiln.linear_int4.default] == [
         "AOTITorchError aoti_torch_cpu_linear_int4(AtenTensorHandle, AtenTensorHandle, "
         "AtenTensorHandle, AtenTensorHandle, int64_t, AtenTensorHandle*, AtenTensorHandle*)"]
-    assert "double, AtenTensorHandle*)" in decl[torch.ops.kiln.paged_attention.default][0]
+    assert "double, int64_t, double, AtenTensorHandle*)" in decl[
+        torch.ops.kiln.paged_attention.default][0]      # scale, window, softcap
     with pytest.raises(ValueError, match="alpha"):     # a Scalar argument has no shim type
         shims.declaration(torch.ops.aten.add.Tensor)
 

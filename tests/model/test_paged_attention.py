@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kiln.plugins.paged_kv import kernels, kv_format
-from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES, Batch,
-                           check_int32_metadata_and_strided_qkv, check_paged_attention,
-                           make_batch)
+from tests.helpers import (HEAD_SHAPES, MIXED, SEQ_SHAPE_IDS, SEQ_SHAPES, WINDOW_IDS, WINDOWS,
+                           Batch, check_int32_metadata_and_strided_qkv, check_paged_attention,
+                           check_window_skips_blocks, make_batch)
 
 pytestmark = pytest.mark.model
 
@@ -91,13 +91,72 @@ def test_quantized_pool_holds_more_tokens():
         assert f32 / kv_format.bytes_per_token(name, 30, 3, 64) > 3.7
 
 
+@pytest.mark.parametrize("seqs,window", WINDOWS, ids=WINDOW_IDS)
+@pytest.mark.parametrize("H,KVH,D,bs", [(4, 4, 64, 16), (9, 3, 64, 8), (8, 1, 48, 64),
+                                        (16, 2, 48, 8), (6, 2, 36, 16)])
+@pytest.mark.parametrize("softcap", [0.0, 1.5], ids=["nocap", "softcap"])
+def test_sliding_window(seqs, window, H, KVH, D, bs, softcap):
+    """A window per layer (and soft-capping): GQA, decode and chunks crossing the window."""
+    b = make_batch(seqs, H, KVH, D, bs, seed=window + D + bs)
+    b.window, b.softcap = window, softcap
+    check(b)
+
+
+@pytest.mark.parametrize("seqs,window", WINDOWS[:4], ids=WINDOW_IDS[:4])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_window_never_reads_blocks_outside_it(seqs, window, threads):
+    """Blocks wholly before a window are skipped, not read and masked: NaN there is harmless."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        b = make_batch(seqs, 9, 3, 64, 16, seed=window)
+        b.window = window
+        check_window_skips_blocks(torch.ops.kiln.paged_attention, b)
+    finally:
+        torch.set_num_threads(prev)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8,
+                                         torch.float8_e4m3fn],
+                         ids=["fp32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["q-fp32", "q-bf16"])
+@pytest.mark.parametrize("H,KVH,D,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 36, 8)])
+def test_window_and_softcap_every_pool(cache_dtype, dtype, H, KVH, D, bs):
+    b = make_batch(MIXED, H, KVH, D, bs, dtype=dtype, cache_dtype=cache_dtype, seed=D + bs)
+    b.window, b.softcap = 45, 2.0
+    tol = 2e-2 if torch.bfloat16 in (dtype, cache_dtype) else 1e-4
+    check(b, atol=tol, rtol=tol)
+
+
+def test_window_reference_is_transformers_mask():
+    """The reference's window: token at p sees keys in (p - window, p], capped scores, as a
+    dense masked softmax over one sequence computes it."""
+    from kiln.plugins.paged_kv.ops import paged_attention_reference
+
+    b = make_batch([(30, 20)], 4, 2, 16, 8, seed=1)
+    b.window, b.softcap = 7, 3.0
+    K = b.k_cache[b.block_tables[0, :7]].reshape(-1, 2, 16).clone()
+    V = b.v_cache[b.block_tables[0, :7]].reshape(-1, 2, 16).clone()
+    K[30:50], V[30:50] = b.k, b.v
+    out = paged_attention_reference(*b.args(b.k_cache.clone(), b.v_cache.clone()))
+    s = torch.einsum("qhd,khd->hqk", b.q, K[:50].repeat_interleave(2, 1)) * b.scale
+    s = 3.0 * torch.tanh(s / 3.0)
+    p, c = torch.arange(30, 50)[:, None], torch.arange(50)[None, :]
+    s = s.masked_fill(~((c <= p) & (c > p - 7)), float("-inf"))
+    want = torch.einsum("hqk,khd->qhd", s.softmax(-1), V[:50].repeat_interleave(2, 1))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    b.window, b.softcap = 0, 0.0   # the window and the cap change the result
+    assert not torch.allclose(paged_attention_reference(*b.args(b.k_cache.clone(),
+                                                                b.v_cache.clone())), out)
+
+
 def test_int32_metadata_and_strided_qkv():
     check_int32_metadata_and_strided_qkv(torch.ops.kiln.paged_attention)
 
 
 def _call(b: Batch, **over):
     a = dict(zip(["q", "k", "v", "k_cache", "v_cache", "slot_mapping", "block_tables",
-                  "context_lens", "query_start_loc", "scale"], b.args()))
+                  "context_lens", "query_start_loc", "scale", "window", "softcap"], b.args()))
     a.update(over)
     return torch.ops.kiln.paged_attention(*a.values())
 
@@ -120,9 +179,11 @@ def _call(b: Batch, **over):
     (lambda b: dict(context_lens=torch.tensor([3, 0])), "less than"),
     (lambda b: dict(context_lens=b.context_lens + 10**5), "capacity"),
     (lambda b: dict(q=b.q[:-1]), "k and v must be"),
+    (lambda b: dict(window=-1), "window must be >= 0"),
+    (lambda b: dict(softcap=-1.0), "softcap must be >= 0"),
 ], ids=["heads", "qsl-size", "cache-layout", "fp16", "qkv-dtypes", "cache-dtypes",
         "head-dim", "cache-fp16", "int8-without-scales", "index-dtype", "bad-slot", "bad-block", "short-context", "long-context",
-        "token-count"])
+        "token-count", "window", "softcap"])
 def test_bad_inputs_raise(change, match):
     b = make_batch([(10, 4), (3, 1)], 8, 2, 64, 16)
     with pytest.raises(RuntimeError, match=match):

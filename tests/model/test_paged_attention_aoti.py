@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.plugins.paged_kv import kernels
-from kiln.plugins.paged_kv.ops import paged_attention_reference
+from kiln.plugins.paged_kv.ops import paged_attention, paged_attention_reference
 from tests.helpers import load_package
 
 pytestmark = pytest.mark.model
@@ -16,13 +16,18 @@ H, KVH, D, BS, NUM_BLOCKS, MAX_BLOCKS = 8, 2, 64, 16, 40, 16
 
 
 class Attn(torch.nn.Module):
-    """Stands in for a layer: some graph math around the op, so inductor compiles code too."""
+    """Stands in for a layer: some graph math around the op, so inductor compiles code too.
+    window/softcap 0: the plain call (the op's defaults), as a global layer makes it."""
+
+    def __init__(self, window: int = 0, softcap: float = 0.0):
+        super().__init__()
+        self.window, self.softcap = window, softcap
 
     def forward(self, q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                 query_start_loc):
-        o = torch.ops.kiln.paged_attention(q * 1.0, k, v, k_cache, v_cache, slot_mapping,
-                                           block_tables, context_lens, query_start_loc,
-                                           1.0 / math.sqrt(D))
+        o = paged_attention(q * 1.0, k, v, k_cache, v_cache, slot_mapping, block_tables,
+                            context_lens, query_start_loc, 1.0 / math.sqrt(D),
+                            window=self.window, softcap=self.softcap)
         return o + 0.0
 
 
@@ -46,14 +51,16 @@ def step_inputs(seqs, seed):
             torch.tensor(qsl, dtype=torch.int32))
 
 
-def test_aoti_calls_kernel_in_place(tmp_path):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (37, 0.0), (24, 2.5)],
+                         ids=["global", "window", "window-softcap"])
+def test_aoti_calls_kernel_in_place(tmp_path, window, softcap):
     kernels.load()
     k_cache = torch.randn(NUM_BLOCKS, BS, KVH, D)
     v_cache = torch.randn(NUM_BLOCKS, BS, KVH, D)
     q, k, v, sm, bt, cl, qsl = step_inputs([(0, 5), (20, 1), (3, 2)], seed=0)
     T, B = torch.export.Dim("T", min=2, max=256), torch.export.Dim("B", min=1, max=8)
     dyn = ({0: T}, {0: T}, {0: T}, None, None, {0: T}, {0: B}, {0: B}, {0: B + 1})
-    ep = torch.export.export(Attn(), (q, k, v, k_cache, v_cache, sm, bt, cl, qsl),
+    ep = torch.export.export(Attn(window, softcap), (q, k, v, k_cache, v_cache, sm, bt, cl, qsl),
                              dynamic_shapes=dyn)
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "attn.pt2"))
     runner = load_package(pkg)
@@ -63,7 +70,7 @@ def test_aoti_calls_kernel_in_place(tmp_path):
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     # The reference needs int64 indices: the graph's int32 ones run only in the C++ kernel.
     ref = paged_attention_reference(q, k, v, ref_k, ref_v, sm.long(), bt.long(), cl.long(),
-                                    qsl.long(), 1.0 / math.sqrt(D))
+                                    qsl.long(), 1.0 / math.sqrt(D), window, softcap)
     k_ptr, v_ptr, k_before = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.clone()
     out = runner(q, k, v, k_cache, v_cache, sm, bt, cl, qsl)
     out = out[0] if isinstance(out, (list, tuple)) else out

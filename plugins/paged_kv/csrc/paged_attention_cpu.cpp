@@ -10,6 +10,10 @@
 //                          first transposed to Kt[D][bs] to vectorize over the keys c)
 //            online softmax (running max m, sum l) and O[r] += p[r][c] * V[c]  (float32)
 //
+// A layer's window (> 0) starts each query tile at the first block one of its rows can see:
+// blocks wholly before it are never read; inside a block a row's keys are [clo, nvalid). A
+// soft-cap (> 0) maps a block's scores through c * tanh(s / c) before the online softmax.
+//
 // Long contexts with few work items (decode at small batch) are split into partitions of
 // whole blocks (flash-decoding); partial (O, m, l) go to one workspace and a third pass
 // merges them. Nothing is allocated per sequence or per token.
@@ -311,6 +315,7 @@ struct Group {
   int64_t t0;         // first token of the tile along T
   int64_t nq;         // tokens in the tile
   int64_t pos0;       // position of the tile's first token
+  int64_t k0;         // first key of partition 0 (block-aligned; > 0 only with a window)
   int64_t kh;         // kv head
   int64_t nparts;     // context partitions (1: write the output directly)
   int64_t ws_off;     // offset of this group's partials in the workspace (nparts > 1)
@@ -332,6 +337,8 @@ struct Problem {
   int64_t row;                   // elements of one token's row of one kv head (D; +4 quantized)
   int64_t cache_tok, cache_blk;  // strides of the pools: token, block
   float scale;
+  int64_t window;                // keys a row sees, itself included; 0: all before it
+  float softcap;                 // scores -> softcap * tanh(scores / softcap); 0: off
 };
 
 // Per-thread scratch of a work item (floats): Q tile, O tile, running max and sum, scores,
@@ -383,6 +390,20 @@ inline void block_scores(const Problem& P, int64_t r0, int64_t R, int64_t ncols,
       w.s[r * ldk + c] = dot(w.qf + r * D, krows + c * kvstride, D);
 }
 
+// s[0:n] = cap * tanh(s / cap) (s has room for whole vectors up to P.ldk).
+inline void softcap_row(float* s, int64_t n, float cap) {
+  const Vec vc(cap), vinv(1.f / cap);
+  for (int64_t c = 0; c < n; c += kVec) ((Vec::loadu(s + c) * vinv).tanh() * vc).store(s + c);
+}
+
+// The keys [clo, nvalid) of a block starting at key `start` that the row of token position
+// p sees (causal, and the window when there is one).
+inline void row_keys(const Problem& P, int64_t p, int64_t start, int64_t ncols, int64_t& clo,
+                     int64_t& nvalid) {
+  nvalid = std::min(ncols, p - start + 1);
+  clo = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1 - start) : 0;
+}
+
 // Online softmax step of one row over n scores sr: rescale (m, l) to the new running max and
 // overwrite sr[c] with exp(s - max), times mul[c] when given (the sum adds the plain exps);
 // returns the factor the row's earlier output is to be rescaled by.
@@ -426,11 +447,12 @@ inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const
 // every row's output held in registers, its scale folded into the row's probabilities.
 
 
-// Rows r0..r0+NR of a work item against one block's ncols keys (NV = D / kVec). nvalid[i]:
-// the keys row r0+i may see (>= 1). Updates the rows' (m, l, O) like softmax_pv.
+// Rows r0..r0+NR of a work item against one block's ncols keys (NV = D / kVec). Row r0+i
+// sees the keys [clo[i], nvalid[i]) (at least one). Updates the rows' (m, l, O) like
+// softmax_pv.
 template <int NR, int NV, typename cache_t>
-void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* nvalid,
-                  const cache_t* kb, const cache_t* vb, Scratch& w) {
+void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* clo,
+                  const int64_t* nvalid, const cache_t* kb, const cache_t* vb, Scratch& w) {
   const int64_t D = P.D, ldk = P.ldk, stride = P.cache_tok;
   float* s = w.s + r0 * ldk;
   float* vscale = w.kf;                   // the block's V row scales (scratch of K rows)
@@ -456,15 +478,19 @@ void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* nv
       for (int i = 0; i < 4; ++i) s[r * ldk + c0 + i] = out[i] * kscale[i];
     }
   }
-  // online softmax per row; probabilities times the V row's scale, 0 past the row's keys
-  int64_t nmax = 0;
+  if (P.softcap > 0.f)
+    for (int r = 0; r < NR; ++r) softcap_row(s + r * ldk, ncols, P.softcap);
+  // online softmax per row; probabilities times the V row's scale, 0 outside the row's keys
+  int64_t nmax = 0, cmin = ncols;
   float corr[NR];
   for (int64_t c = 0; c < ncols; ++c) vscale[c] = pool_row_scale(vb + c * stride, D);
   for (int r = 0; r < NR; ++r) {
     float* sr = s + r * ldk;
-    const int64_t n = nvalid[r];
+    const int64_t n = nvalid[r], c0 = clo[r];
     nmax = std::max(nmax, n);
-    corr[r] = softmax_step(sr, n, w.m[r0 + r], w.l[r0 + r], vscale);
+    cmin = std::min(cmin, c0);
+    corr[r] = softmax_step(sr + c0, n - c0, w.m[r0 + r], w.l[r0 + r], vscale + c0);
+    for (int64_t c = 0; c < c0; ++c) sr[c] = 0.f;
     for (int64_t c = n; c < ncols; ++c) sr[c] = 0.f;
   }
   // O = O * corr + sum_c p[c] * V[c]: each V row converted once for all NR rows
@@ -473,7 +499,7 @@ void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* nv
     const Vec vc(corr[r]);
     for (int j = 0; j < NV; ++j) o[r][j] = Vec::loadu(w.of + (r0 + r) * D + j * kVec) * vc;
   }
-  for (int64_t c = 0; c < nmax; ++c) {
+  for (int64_t c = cmin; c < nmax; ++c) {
     const cache_t* vr = vb + c * stride;
     Vec vv[NV];
     for (int j = 0; j < NV; ++j) vv[j] = load_vec(vr + j * kVec);
@@ -489,16 +515,17 @@ void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* nv
 // decode_block for nr rows (1..4) and D = NV * kVec (NV 2, 4 or 8); false: not covered.
 template <typename cache_t>
 bool try_decode_block(const Problem& P, int64_t r0, int64_t nr, int64_t ncols,
-                      const int64_t* nvalid, const cache_t* kb, const cache_t* vb, Scratch& w) {
+                      const int64_t* clo, const int64_t* nvalid, const cache_t* kb,
+                      const cache_t* vb, Scratch& w) {
   if (nr < 1 || nr > 4 || P.D % kVec != 0) return false;
   const int64_t nv = P.D / kVec;
   auto rows = [&](auto nv_tag) {
     constexpr int NV = decltype(nv_tag)::value;
     switch (nr) {
-      case 1: decode_block<1, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
-      case 2: decode_block<2, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
-      case 3: decode_block<3, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
-      default: decode_block<4, NV>(P, r0, ncols, nvalid, kb, vb, w); break;
+      case 1: decode_block<1, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
+      case 2: decode_block<2, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
+      case 3: decode_block<3, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
+      default: decode_block<4, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
     }
   };
   switch (nv) {
@@ -520,7 +547,7 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
                  const cache_t* kc, const cache_t* vc, const Index& bt, scalar_t* out,
                  float* ws, Scratch& w) {
   const int64_t D = P.D, G = P.G, bs = P.bs, R = g.nq * G;
-  const int64_t lo = part * P.part_len;
+  const int64_t lo = g.k0 + part * P.part_len;
   const int64_t hi = std::min(g.pos0 + g.nq, lo + P.part_len);  // keys [lo, hi)
 
   for (int64_t j = 0; j < g.nq; ++j)
@@ -540,12 +567,16 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       prefetch_rows(kc + nxt, bs, P.cache_tok, P.row);
       prefetch_rows(vc + nxt, bs, P.cache_tok, P.row);
     }
-    // Rows of token j see positions <= pos0 + j: the first rows may see none of this block.
+    // Rows of token j see positions <= pos0 + j: the first rows may see none of this block;
+    // with a window, positions > pos0 + j - window: the last rows may see none of it.
     const int64_t r0 = std::max<int64_t>(0, start - g.pos0) * G;
-    int64_t nvalid[4];
-    for (int64_t r = r0; r < std::min(R, r0 + 4); ++r)
-      nvalid[r - r0] = std::min(ncols, g.pos0 + r / G - start + 1);
-    if (try_decode_block(P, r0, R - r0, ncols, nvalid, kb, vb, w)) continue;
+    const int64_t r1 = P.window > 0
+        ? std::min(R, std::max<int64_t>(0, start + ncols + P.window - 1 - g.pos0) * G) : R;
+    if (r1 <= r0) continue;
+    int64_t clo[4], nvalid[4];
+    for (int64_t r = r0; r < std::min(r1, r0 + 4); ++r)
+      row_keys(P, g.pos0 + r / G, start, ncols, clo[r - r0], nvalid[r - r0]);
+    if (try_decode_block(P, r0, r1 - r0, ncols, clo, nvalid, kb, vb, w)) continue;
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
     const float *krows = w.kf, *vrows = w.vf;
     int64_t kvstride = D;
@@ -559,10 +590,14 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
         load_row(vb + c * P.cache_tok, w.vf + c * D, D);
       }
     }
-    block_scores(P, r0, R, ncols, krows, kvstride, w);
-    for (int64_t r = r0; r < R; ++r) {
-      const int64_t nvalid = std::min(ncols, g.pos0 + r / G - start + 1);
-      softmax_pv(w.s + r * P.ldk, nvalid, w.m[r], w.l[r], w.of + r * D, vrows, kvstride, D);
+    block_scores(P, r0, r1, ncols, krows, kvstride, w);
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t c0, n;
+      row_keys(P, g.pos0 + r / G, start, ncols, c0, n);
+      float* sr = w.s + r * P.ldk;
+      if (P.softcap > 0.f) softcap_row(sr, ncols, P.softcap);
+      softmax_pv(sr + c0, n - c0, w.m[r], w.l[r], w.of + r * D, vrows + c0 * kvstride,
+                 kvstride, D);
     }
   }
 
@@ -697,10 +732,15 @@ Work plan_work(Problem& P, const Index& qsl, const Index& cl, int64_t B) {
   const int64_t KVH = P.KVH, D = P.D, bs = P.bs;
   const int64_t tq = std::max<int64_t>(1, 32 / P.G);  // query tokens per tile
   P.max_rows = tq * P.G;
-  int64_t base_groups = 0, max_ctx = 0;
+  // first key a tile of rows starting at position p reads: its window's first block
+  auto first_key = [&](int64_t p) {
+    return P.window > 0 ? std::max<int64_t>(0, p - P.window + 1) / bs * bs : 0;
+  };
+  int64_t base_groups = 0, max_ctx = 0;   // max_ctx: the longest span of keys a group reads
   for (int64_t b = 0; b < B; ++b) {
-    base_groups += ceil_div(qsl(b + 1) - qsl(b), tq) * KVH;
-    max_ctx = std::max(max_ctx, cl(b));
+    const int64_t nq = qsl(b + 1) - qsl(b);
+    base_groups += ceil_div(nq, tq) * KVH;
+    max_ctx = std::max(max_ctx, cl(b) - first_key(cl(b) - nq));
   }
   // Too few items to keep every thread busy: split contexts into whole-block partitions.
   const int64_t threads = at::get_num_threads();
@@ -719,9 +759,10 @@ Work plan_work(Problem& P, const Index& qsl, const Index& cl, int64_t B) {
     const int64_t q0 = qsl(b), nq_all = qsl(b + 1) - q0, first = cl(b) - nq_all;
     for (int64_t j = 0; j < nq_all; j += tq) {
       const int64_t nq = std::min(tq, nq_all - j);
-      const int64_t nparts = ceil_div(first + j + nq, P.part_len);
+      const int64_t k0 = first_key(first + j);
+      const int64_t nparts = ceil_div(first + j + nq - k0, P.part_len);
       for (int64_t kh = 0; kh < KVH; ++kh) {
-        Group g{b, q0 + j, nq, first + j, kh, nparts, 0};
+        Group g{b, q0 + j, nq, first + j, k0, kh, nparts, 0};
         if (nparts > 1) {
           g.ws_off = w.ws_size;
           w.ws_size += nparts * nq * P.G * (D + 2);
@@ -739,7 +780,10 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                const at::Tensor& v_in, at::Tensor& k_cache, at::Tensor& v_cache,
                                const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                const at::Tensor& context_lens, const at::Tensor& query_start_loc,
-                               double scale) {
+                               double scale, int64_t window, double softcap) {
+  TORCH_CHECK(window >= 0, "paged_attention: window must be >= 0 (0: the whole context), got ",
+              window);
+  TORCH_CHECK(softcap >= 0.0, "paged_attention: softcap must be >= 0 (0: off), got ", softcap);
   TORCH_CHECK(q_in.dim() == 3, "paged_attention: q must be [T, H, D], got shape ", q_in.sizes());
   TORCH_CHECK(k_in.dim() == 3 && v_in.dim() == 3,
               "paged_attention: k and v must be [T, KVH, D], got ", k_in.sizes(), " and ",
@@ -805,6 +849,8 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   P.q_s0 = q.stride(0); P.q_s1 = q.stride(1);
   P.row = row; P.cache_tok = KVH * row; P.cache_blk = bs * KVH * row;
   P.scale = static_cast<float>(scale);
+  P.window = window;
+  P.softcap = static_cast<float>(softcap);
   const Work work = plan_work(P, qsl, cl, B);
 
   at::Tensor out = at::empty({T, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
@@ -837,15 +883,16 @@ KILN_AOTI_SHIM aoti_torch_cpu_paged_attention(
     AtenTensorHandle q, AtenTensorHandle k, AtenTensorHandle v, AtenTensorHandle k_cache,
     AtenTensorHandle v_cache, AtenTensorHandle slot_mapping, AtenTensorHandle block_tables,
     AtenTensorHandle context_lens, AtenTensorHandle query_start_loc, double scale,
-    AtenTensorHandle* ret0) {
+    int64_t window, double softcap, AtenTensorHandle* ret0) {
   using kiln_shim::tensor;
   using T = kiln_shim::T;
   AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
     static const auto op =
-        kiln_shim::op<at::Tensor(T, T, T, at::Tensor&, at::Tensor&, T, T, T, T, double)>(
-            "kiln::paged_attention");
+        kiln_shim::op<at::Tensor(T, T, T, at::Tensor&, at::Tensor&, T, T, T, T, double, int64_t,
+                                 double)>("kiln::paged_attention");
     *ret0 = kiln_shim::result(op.call(tensor(q), tensor(k), tensor(v), tensor(k_cache),
                                       tensor(v_cache), tensor(slot_mapping), tensor(block_tables),
-                                      tensor(context_lens), tensor(query_start_loc), scale));
+                                      tensor(context_lens), tensor(query_start_loc), scale,
+                                      window, softcap));
   });
 }

@@ -80,6 +80,20 @@ class RandomArch(_Strict):
     attention_bias: bool = False
     bos_token_id: int = 1
     eos_token_id: int = 2
+    model_type: Optional[str] = Field(
+        default=None, description="the family, as a config.json model_type (qwen3, gemma2, "
+        "mixtral, ...); default llama (qwen2 with attention_bias)")
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="further config.json keys of that family "
+        "(e.g. num_local_experts, sliding_window)")
+
+    @model_validator(mode="after")
+    def _config_keys_are_new(self):
+        clash = sorted(set(self.config) & (set(type(self).model_fields) - {"config"}))
+        if clash:
+            raise ValueError(f"arch.config repeats the arch field(s) {', '.join(clash)}: "
+                             "set them on arch directly")
+        return self
 
 
 class ModelSpec(_Strict):

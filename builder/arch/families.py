@@ -59,3 +59,12 @@ def family_for_config(cfg: DecoderConfig) -> Family:
 def build_model(cfg: DecoderConfig):
     """The family's model for cfg, with its parameters allocated (uninitialized values)."""
     return family_for_config(cfg).model(cfg)
+
+
+def param_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of the family's model for cfg with its shape, without allocating it."""
+    import torch
+
+    with torch.device("meta"):
+        m = build_model(cfg)
+    return {n: tuple(p.shape) for n, p in m.named_parameters()}

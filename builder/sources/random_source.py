@@ -1,8 +1,9 @@
 """Random weights for tests: config from the spec's `arch`, weights from a seeded generator.
 
-Linear and embedding weights ~ N(0, 0.02), biases ~ N(0, 0.02), norm weights 1 + N(0, 0.02)
-(near 1, not exactly, so a norm that is skipped shows). Parameters are drawn in
-DecoderModel's declaration order from one torch.Generator, so a seed always gives the same
+`arch.model_type` picks the family (default llama); `arch.config` adds that family's other
+config.json keys. Linear and embedding weights ~ N(0, 0.02), biases ~ N(0, 0.02), norm
+weights 1 + N(0, 0.02) (near 1, not exactly, so a norm that is skipped shows). Parameters
+are drawn in the family model's declaration order from one torch.Generator, so a seed always gives the same
 model. weights_digest = sha256 of the canonical {arch, seed, tokenizer} JSON.
 """
 from __future__ import annotations
@@ -14,9 +15,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from kiln.builder.arch.blocks import param_shapes
 from kiln.builder.arch.config import DecoderConfig
-from kiln.builder.arch.families import config_from_hf
+from kiln.builder.arch.families import config_from_hf, param_shapes
 from kiln.builder.sources.base import Checkpoint, CheckpointError
 from kiln.builder.sources.tokenizer_build import byte_level
 
@@ -24,9 +24,12 @@ GENERATOR_VERSION = 1   # bump when the drawing scheme changes (changes every di
 
 
 def config_from_arch(arch) -> DecoderConfig:
-    """kiln.builder.spec.RandomArch -> DecoderConfig (via the HF config.json field names)."""
+    """kiln.builder.spec.RandomArch -> DecoderConfig, read by the family of arch.model_type
+    from a config.json made of the arch fields and arch.config."""
     cfg = arch.model_dump()
-    hf = {"model_type": "qwen2" if cfg["attention_bias"] else "llama", **cfg}
+    extra, mtype = cfg.pop("config"), cfg.pop("model_type")
+    mtype = mtype or ("qwen2" if cfg["attention_bias"] else "llama")
+    hf = {"model_type": mtype, **cfg, **extra}
     try:
         return config_from_hf(hf)
     except (KeyError, ValueError) as e:

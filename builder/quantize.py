@@ -7,7 +7,8 @@
 
 The model file knows nothing of packing; this module knows nothing of the architecture beyond
 two names: the token embedding (`tok_embeddings`) and the lm_head (the `output` Linear, or the
-tied embedding matrix).
+tied embedding matrix). Mixture-of-experts layers' experts (plugins/moe/modules.Experts) are
+swapped for QuantExperts in the same weight format, round to nearest.
 
 Layers named in keep_high_precision keep their float dtype. The embedding, when not kept, is
 stored int8 per row (QuantEmbedding: a gather needs a per-row format; bf16 at bf16); the
@@ -31,6 +32,7 @@ from torch import nn
 
 from kiln.contracts import FieldError
 from kiln.contracts.manifest import QuantizationRecord
+from kiln.plugins.moe.modules import Experts, QuantExperts
 from kiln.plugins.quant import formats
 from kiln.plugins.quant.modules import QuantEmbedding, QuantLinear
 
@@ -235,7 +237,13 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     linears = _targets(model, keep)
     head = _lm_head(model, keep)
     all_q = dict(linears, **({"output": head} if head is not None else {}))
-    scheme = choose_scheme(weights, group_size, keep, activations, device, all_q)
+    experts = _experts(model, keep)
+    if experts and activations == "int8":   # before anything is swapped
+        msg = (f"int8 activations are not implemented for mixture-of-experts layers "
+               f"({next(iter(experts))}); use activations: float")
+        raise FieldError("activations", msg, msg)
+    scheme = choose_scheme(weights, group_size, keep, activations, device,
+                           dict(all_q, **_experts_k(experts)))
     acts: dict[str, torch.Tensor] = {}
     method = "none" if weights == "fp32" else "rtn"   # fp32: the linears run the plugin's GEMV
     if calibration is not None and scheme.calibrated:
@@ -250,6 +258,7 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         done.bytes_before += _nbytes([emb.weight])
         done.bytes_after += _nbytes(qemb.buffers())
     _swap_linears(model, all_q, scheme, acts, qemb, done)
+    _swap_experts(model, experts, scheme, done)
     if qemb is not None:
         model.tok_embeddings = qemb
         done.quantized.append("tok_embeddings")
@@ -272,6 +281,38 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         calibration=(None if calibration is None or scheme.calibrated else
                      "not used: AWQ scale search applies to int4 weight-only, "
                      "SmoothQuant to int8 weights with int8 activations"))
+
+
+@dataclass(frozen=True)
+class _InputDim:
+    in_features: int     # a K the int4 group size must divide (the experts' H and I)
+
+
+def _experts(model: nn.Module, keep: tuple[str, ...]) -> dict[str, Experts]:
+    """The mixture-of-experts layers' float experts to quantize, by qualified name."""
+    return {n: m for n, m in model.named_modules()
+            if isinstance(m, Experts) and not _kept(n, keep)}
+
+
+def _experts_k(experts: dict[str, Experts]) -> dict[str, _InputDim]:
+    return {f"{n}.{w}": _InputDim(k) for n, e in experts.items()
+            for w, k in (("w13", e.hidden), ("w2", e.inter))}
+
+
+def _swap_experts(model: nn.Module, experts: dict[str, Experts], scheme: QuantScheme,
+                  done: "_Swapped") -> None:
+    """Replace each float Experts by QuantExperts in the linears' weight format (round to
+    nearest; weight-only: int4 in the [N, K/2] layout at the plan's group size). fp32 leaves
+    them as they are (quantize_model refuses int8 activations: no W8A8/W4A8 experts op)."""
+    if scheme.weights == "fp32" or not experts:
+        return
+    for name, e in experts.items():
+        q = QuantExperts.from_experts(e, scheme.weights, scheme.group_size)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, q)
+        done.quantized.append(name)
+        done.bytes_before += _nbytes([e.w13, e.w2])
+        done.bytes_after += _nbytes(q.buffers())
 
 
 def _check_args(weights: str, group_size: Optional[int]) -> None:

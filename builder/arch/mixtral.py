@@ -4,8 +4,8 @@
 Weight tables: the Llama family's attention and norms, and per layer
 
     feed_forward.gate.weight  <- block_sparse_moe.gate.weight                 [E, hidden]
-    feed_forward.w13          <- [experts.{e}.w1; experts.{e}.w3] for each e   [E*2I, hidden]
-    feed_forward.w2           <- experts.{e}.w2 for each e                    [E*hidden, I]
+    feed_forward.experts.w13  <- [experts.{e}.w1; experts.{e}.w3] for each e   [E*2I, hidden]
+    feed_forward.experts.w2   <- experts.{e}.w2 for each e                    [E*hidden, I]
 
 (HF checkpoints on the hub and transformers' save_pretrained both write one tensor per
 expert.) A checkpoint with more or fewer experts than config.json says is refused naming
@@ -17,7 +17,7 @@ from kiln.builder.arch.blocks import DecoderModel
 from kiln.builder.arch.config import DecoderConfig
 from kiln.builder.arch.family import Family, hf_common
 from kiln.builder.arch.llama import HF_IGNORE, hf_rules
-from kiln.builder.arch.weights import Rule, pieces
+from kiln.builder.arch.moe import dense_only, moe_rules
 
 
 def config_from_hf(cfg: dict) -> DecoderConfig:
@@ -29,23 +29,6 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
                          moe_intermediate_size=cfg["intermediate_size"], normalize_topk=True,
                          sparse_layers=tuple(range(cfg["num_hidden_layers"])),
                          sliding_window=cfg.get("sliding_window") or None)   # as Mistral
-
-
-def moe_rules(prefix: str, gate: str, w1: str, w3: str, w2: str) -> tuple[Rule, ...]:
-    """The sparse layers' router and stacked experts from per-expert tensors under `prefix`
-    (`{e}` is the expert index)."""
-    p = f"model.layers.{{i}}.{prefix}."
-    return (
-        Rule("layers.{i}.feed_forward.gate.weight", pieces(p + gate), "sparse_layer"),
-        Rule("layers.{i}.feed_forward.w13", pieces(p + w1, p + w3), "sparse_layer"),
-        Rule("layers.{i}.feed_forward.w2", pieces(p + w2), "sparse_layer"),
-    )
-
-
-def dense_only(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
-    """The Llama table with its MLP rules restricted to the dense layers."""
-    return tuple(Rule(r.target, r.pieces, "dense_layer") if ".feed_forward." in r.target else r
-                 for r in rules)
 
 
 HF_RULES = dense_only(hf_rules()) + moe_rules(

@@ -7,8 +7,8 @@ mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the other layers are the
 of intermediate_size. Weight tables: Qwen3's, and for the sparse layers
 
     feed_forward.gate.weight  <- mlp.gate.weight
-    feed_forward.w13          <- [mlp.experts.{e}.gate_proj; mlp.experts.{e}.up_proj] for each e
-    feed_forward.w2           <- mlp.experts.{e}.down_proj for each e
+    feed_forward.experts.w13  <- [mlp.experts.{e}.gate_proj; mlp.experts.{e}.up_proj] per e
+    feed_forward.experts.w2   <- mlp.experts.{e}.down_proj for each e
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kiln.builder.arch.blocks import DecoderModel
 from kiln.builder.arch.config import DecoderConfig
 from kiln.builder.arch.family import Family
 from kiln.builder.arch.llama import HF_IGNORE, hf_rules
-from kiln.builder.arch.mixtral import dense_only, moe_rules
+from kiln.builder.arch.moe import dense_only, moe_rules
 from kiln.builder.arch.qwen3 import _HF_QK
 from kiln.builder.arch.qwen3 import config_from_hf as qwen3_config
 

@@ -63,6 +63,8 @@ class Rule:
     when: str = "always"          # always | untied | or a bool field of the config
                                   # (attention_bias, qk_norm): mapped only when it is set
                                   # | sparse_layer | dense_layer (LAYER_WHEN)
+    stacked: bool = False         # pieces are 3-D expert stacks [E, rows, K]: joined per
+                                  # expert (dim 1), then flattened to [E * rows, K]
 
 
 def pieces(*names: str) -> tuple[Piece, ...]:
@@ -74,6 +76,7 @@ class Mapped:
     """One parameter of ours and the concrete source tensors it is made from."""
     target: str
     pieces: tuple[Piece, ...]     # names with the layer index filled in
+    stacked: bool = False         # Rule.stacked
 
     def build(self, read: Callable[[str], torch.Tensor], cfg: DecoderConfig) -> torch.Tensor:
         """Read, transform and concatenate the pieces; ValueError naming them if they do
@@ -81,6 +84,8 @@ class Mapped:
         raw = [read(p.name) for p in self.pieces]
         try:
             parts = [p.transform(t, cfg) if p.transform else t for p, t in zip(self.pieces, raw)]
+            if self.stacked:
+                return torch.cat(parts, dim=1).flatten(0, 1)
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         except RuntimeError as e:
             shapes = ", ".join(f"{p.name} {list(t.shape)}" for p, t in zip(self.pieces, raw))
@@ -137,7 +142,8 @@ def expand_rules(cfg: DecoderConfig, rules: tuple[Rule, ...], ignore: tuple[str,
         for i in layers:
             fill = (lambda s: s.format(i=i)) if i is not None else (lambda s: s)
             plan.append(Mapped(fill(rule.target), tuple(
-                Piece(fill(p.name), p.transform) for p in _per_expert(rule.pieces, cfg))))
+                Piece(fill(p.name), p.transform) for p in _per_expert(rule.pieces, cfg)),
+                rule.stacked))
     used = {p.name for m in plan for p in m.pieces}
     missing = [(m.target, p.name) for m in plan for p in m.pieces if p.name not in available]
     ign = [re.compile(pat) for pat in ignore]

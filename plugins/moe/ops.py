@@ -12,8 +12,12 @@ Kernels group the tokens by expert and make one pass over each selected expert's
 Every token's output is computed the same way whatever other tokens share the step (each
 dot product in a fixed order, the k contributions summed in j order): batch-invariant.
 
-The reference is registered for CompositeExplicitAutograd (any device); the compiled CPU
-kernel (csrc/moe_experts_cpu.cpp, plugins.moe.kernels) is registered for CPU and takes
+kiln::moe_experts_quant is the same pass over packed experts (int8, fp8, int4: the quant
+plugin's weight-only formats): each weight row is decoded once per step and multiplied in
+float32 with every token routed to it.
+
+The references are registered for CompositeExplicitAutograd (any device); the compiled CPU
+kernels (csrc/moe_experts_cpu.cpp, plugins.moe.kernels) are registered for CPU and take
 precedence once loaded. Both compute in float32; the output has x's dtype.
 """
 from __future__ import annotations
@@ -21,11 +25,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.plugins.quant import formats
+
 SCHEMA = ("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
           "Tensor w2) -> Tensor")
+# Packed experts (plugins/quant/formats.py, one matrix per expert): int8 / fp8 qweight
+# [E, N, K] with scales [E, N]; int4 qweight uint8 [E, N, K/2] with scales and zeros
+# [E, N, K/G] (group_size G; 0 for the others). The format follows qweight's dtype.
+QUANT_SCHEMA = ("moe_experts_quant(Tensor x, Tensor topk_ids, Tensor topk_weights, "
+                "Tensor w13, Tensor w13_scales, Tensor? w13_zeros, Tensor w2, Tensor w2_scales, "
+                "Tensor? w2_zeros, int group_size) -> Tensor")
 
 _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define(SCHEMA)
+_lib.define(QUANT_SCHEMA)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +86,38 @@ def moe_experts_reference(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     return out.to(x.dtype)
 
 
+def dequantize_experts(qweight, scales, zeros, group_size: int) -> torch.Tensor:
+    """Packed experts [E, N, ...] -> float32 [E, N, K] (formats' dequantizers, per row)."""
+    e, n = qweight.shape[:2]
+    flat = lambda t: None if t is None else t.reshape(e * n, *t.shape[2:])  # noqa: E731
+    if qweight.dtype == torch.uint8:
+        w = formats.dequantize_int4(flat(qweight), flat(scales), flat(zeros), group_size)
+    elif qweight.dtype == torch.int8:
+        w = formats.dequantize_int8(flat(qweight), flat(scales))
+    elif qweight.dtype == torch.float8_e4m3fn:
+        w = formats.dequantize_fp8(flat(qweight), flat(scales))
+    else:
+        raise ValueError(f"kiln::moe_experts_quant: qweight of dtype {qweight.dtype}; "
+                         "int8, float8_e4m3fn or uint8 (int4) expected")
+    return w.view(e, n, -1)
+
+
+def moe_experts_quant_reference(x, topk_ids, topk_weights, w13, w13_scales, w13_zeros, w2,
+                                w2_scales, w2_zeros, group_size: int) -> torch.Tensor:
+    """Dequantize every expert, then the float reference."""
+    return moe_experts_reference(x, topk_ids, topk_weights,
+                                 dequantize_experts(w13, w13_scales, w13_zeros, group_size),
+                                 dequantize_experts(w2, w2_scales, w2_zeros, group_size))
+
+
 _lib.impl("moe_experts", moe_experts_reference, "CompositeExplicitAutograd")
+_lib.impl("moe_experts_quant", moe_experts_quant_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::moe_experts_quant")
+def _moe_experts_quant_fake(x, topk_ids, topk_weights, w13, w13_scales, w13_zeros, w2,
+                            w2_scales, w2_zeros, group_size):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("kiln::moe_experts")

@@ -1,7 +1,10 @@
-// CPU kernel of kiln::moe_experts (schema and reference: plugins/moe/ops.py).
+// CPU kernels of kiln::moe_experts and kiln::moe_experts_quant (schemas and references:
+// plugins/moe/ops.py).
 //
 //   x [T, H] float32 | bfloat16; topk_ids [T, k] int64; topk_weights [T, k] float32
-//   w13 [E, 2I, H], w2 [E, H, I]: float32 | bfloat16 (both the same)
+//   moe_experts:       w13 [E, 2I, H], w2 [E, H, I]: float32 | bfloat16 (both the same)
+//   moe_experts_quant: int8 | fp8 codes [E, N, K] with scales [E, N], or int4 [E, N, K/2]
+//                      with scales and zeros [E, N, K/G] (plugins/quant/formats.py)
 //
 // The (token, j) pairs are grouped by expert (counting sort, tokens in order). For each
 // selected expert, one pass over its weights: each weight row is loaded once and dotted with
@@ -15,8 +18,11 @@
 
 #include "../../csrc/parallel.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -34,34 +40,73 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 
 // w . a over n values: one Vec accumulator in a fixed order, then the tail.
-template <typename W>
-inline float dot(const W* w, const float* a, int64_t n) {
+inline float dot(const float* w, const float* a, int64_t n) {
   Vec acc(0.0f);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) {
-    Vec wv;
-    if constexpr (std::is_same_v<W, float>) {
-      wv = Vec::loadu(w + i);
-    } else {
-      float tmp[Vec::size()];
-      for (int j = 0; j < Vec::size(); ++j) tmp[j] = float(w[i + j]);
-      wv = Vec::loadu(tmp);
-    }
-    acc = at::vec::fmadd(wv, Vec::loadu(a + i), acc);
-  }
+  for (; i + Vec::size() <= n; i += Vec::size())
+    acc = at::vec::fmadd(Vec::loadu(w + i), Vec::loadu(a + i), acc);
   float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc);
-  for (; i < n; ++i) s += float(w[i]) * a[i];
+  for (; i < n; ++i) s += w[i] * a[i];
   return s;
 }
 
-// out[g, r] = w[r] . in[g] for the n rows of `in` (each `k` long) and the `rows` rows of w;
-// each weight row read once for all of them.
-template <typename W>
-void rows_times_group(const W* w, int64_t rows, int64_t k, const float* in, int64_t n,
-                      float* out) {
-  kiln::parallel_chunks(rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t g = 0; g < n; ++g) out[g * rows + r] = dot(w + r * k, in + g * k, k);
+// Row decoders: row(r, buf) -> the K float32 weights of row r of one expert's matrix (a
+// pointer into the weights, or `buf` filled), exactly the values formats.dequantize_* gives.
+struct F32Rows {
+  const float* w;
+  int64_t K;
+  const float* row(int64_t r, float*) const { return w + r * K; }
+};
+struct Bf16Rows {
+  const at::BFloat16* w;
+  int64_t K;
+  const float* row(int64_t r, float* buf) const {
+    for (int64_t i = 0; i < K; ++i) buf[i] = float(w[r * K + i]);
+    return buf;
+  }
+};
+template <typename Q>   // int8 or float8_e4m3fn codes, one scale per row
+struct ScaledRows {
+  const Q* w;
+  const float* scales;
+  int64_t K;
+  const float* row(int64_t r, float* buf) const {
+    const float s = scales[r];
+    for (int64_t i = 0; i < K; ++i) buf[i] = float(w[r * K + i]) * s;
+    return buf;
+  }
+};
+struct Int4Rows {        // formats.py int4: blocks of 32 as 16 bytes (low nibbles: the first 16)
+  const uint8_t* w;
+  const float* scales;
+  const float* zeros;
+  int64_t K, G;
+  const float* row(int64_t r, float* buf) const {
+    const uint8_t* q = w + r * (K / 2);
+    const float* s = scales + r * (K / G);
+    const float* z = zeros + r * (K / G);
+    for (int64_t b = 0; b < K / 32; ++b)
+      for (int j = 0; j < 16; ++j) {
+        const int64_t k0 = 32 * b + j, k1 = k0 + 16;
+        const uint8_t byte = q[16 * b + j];
+        buf[k0] = (float(byte & 0x0F) - z[k0 / G]) * s[k0 / G];
+        buf[k1] = (float(byte >> 4) - z[k1 / G]) * s[k1 / G];
+      }
+    return buf;
+  }
+};
+
+// out[g, r] = w[r] . in[g] for the n rows of `in` (each K long) and the `rows` rows of one
+// expert's matrix (rows r0.. of the decoder); each weight row decoded once for all of them.
+template <typename Rows>
+void rows_times_group(const Rows& w, int64_t r0, int64_t rows, int64_t K, const float* in,
+                      int64_t n, float* out) {
+  kiln::parallel_chunks(rows, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> buf(K);
+    for (int64_t r = a; r < b; ++r) {
+      const float* wr = w.row(r0 + r, buf.data());
+      for (int64_t g = 0; g < n; ++g) out[g * rows + r] = dot(wr, in + g * K, K);
+    }
   });
 }
 
@@ -83,9 +128,10 @@ Groups group_by_expert(const int64_t* ids, int64_t pairs, int64_t E) {
   return g;
 }
 
-template <typename W>
-void run_experts(const float* x, const Groups& groups, const W* w13, const W* w2, int64_t E,
-                 int64_t H, int64_t I, int64_t k, float* contrib) {
+// contrib[t * k + j] = expert topk_ids[t, j]'s output for token t (unweighted).
+template <typename Rows13, typename Rows2>
+void run_experts(const float* x, const Groups& groups, const Rows13& w13, const Rows2& w2,
+                 int64_t E, int64_t H, int64_t I, int64_t k, float* contrib) {
   std::vector<float> xs, h, a, y;
   for (int64_t e = 0; e < E; ++e) {
     const int64_t b = groups.start[e], n = groups.start[e + 1] - b;
@@ -94,7 +140,7 @@ void run_experts(const float* x, const Groups& groups, const W* w13, const W* w2
     for (int64_t g = 0; g < n; ++g)
       std::copy_n(x + (groups.pairs[b + g] / k) * H, H, xs.data() + g * H);
     h.resize(n * 2 * I);
-    rows_times_group(w13 + e * 2 * I * H, 2 * I, H, xs.data(), n, h.data());   // [n, 2I]
+    rows_times_group(w13, e * 2 * I, 2 * I, H, xs.data(), n, h.data());      // [n, 2I]
     a.resize(n * I);
     for (int64_t g = 0; g < n; ++g)
       for (int64_t i = 0; i < I; ++i) {
@@ -102,10 +148,55 @@ void run_experts(const float* x, const Groups& groups, const W* w13, const W* w2
         a[g * I + i] = gate / (1.0f + std::exp(-gate)) * up;                 // silu(gate) * up
       }
     y.resize(n * H);
-    rows_times_group(w2 + e * H * I, H, I, a.data(), n, y.data());           // [n, H]
+    rows_times_group(w2, e * H, H, I, a.data(), n, y.data());                // [n, H]
     for (int64_t g = 0; g < n; ++g)
       std::copy_n(y.data() + g * H, H, contrib + groups.pairs[b + g] * H);
   }
+}
+
+// The routed tokens of one step: x as float32, the pairs grouped by expert.
+struct Routed {
+  at::Tensor x, weights;
+  Groups groups;
+  int64_t T, H, k;
+};
+
+Routed prepare(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+               const at::Tensor& topk_weights, int64_t E) {
+  TORCH_CHECK(x.dim() == 2, op, ": x must be [T, H]");
+  const int64_t T = x.size(0);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
+                  topk_weights.sizes() == topk_ids.sizes(), op,
+              ": topk_ids and topk_weights must both be [T, k]");
+  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t k = topk_ids.size(1);
+  return Routed{x.to(at::kFloat).contiguous(), topk_weights.to(at::kFloat).contiguous(),
+                group_by_expert(ids.data_ptr<int64_t>(), T * k, E), T, x.size(1), k};
+}
+
+// out[t] = sum_j weights[t, j] * contrib[t, j], in j order; in x's dtype.
+at::Tensor combine(const Routed& r, const at::Tensor& contrib, at::ScalarType dtype) {
+  at::Tensor out = at::empty({r.T, r.H}, r.x.options());
+  const float* c = contrib.data_ptr<float>();
+  const float* wt = r.weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t k = r.k, H = r.H;
+  for (int64_t t = 0; t < r.T; ++t)
+    for (int64_t d = 0; d < H; ++d) {
+      float s = c[(t * k) * H + d] * wt[t * k];
+      for (int64_t j = 1; j < k; ++j) s += c[(t * k + j) * H + d] * wt[t * k + j];
+      o[t * H + d] = s;
+    }
+  return out.to(dtype);
+}
+
+template <typename Rows13, typename Rows2>
+at::Tensor experts_pass(const Routed& r, const Rows13& w13, const Rows2& w2, int64_t E,
+                        int64_t I, at::ScalarType dtype) {
+  at::Tensor contrib = at::empty({r.T, r.k, r.H}, r.x.options());          // [T, k, H]
+  run_experts(r.x.data_ptr<float>(), r.groups, w13, w2, E, r.H, I, r.k,
+              contrib.data_ptr<float>());
+  return combine(r, contrib, dtype);
 }
 
 at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
@@ -114,44 +205,74 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
   const char* op = "kiln::moe_experts";
   TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3, op,
               ": x [T, H], w13 [E, 2I, H], w2 [E, H, I] expected");
-  const int64_t T = x.size(0), H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
+  const int64_t H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
   TORCH_CHECK(w13.size(2) == H && w2.size(0) == E && w2.size(1) == H && w2.size(2) == I, op,
               ": w13 ", w13.sizes(), " and w2 ", w2.sizes(), " do not fit x ", x.sizes());
   TORCH_CHECK(w13.scalar_type() == w2.scalar_type() &&
                   (w13.scalar_type() == at::kFloat || w13.scalar_type() == at::kBFloat16),
               op, ": expert weights must both be float32 or both bfloat16");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T &&
-                  topk_weights.sizes() == topk_ids.sizes(), op,
-              ": topk_ids and topk_weights must both be [T, k]");
-  const int64_t k = topk_ids.size(1);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const at::Tensor ids = topk_ids.to(at::kLong).contiguous();
-  const at::Tensor wts = topk_weights.to(at::kFloat).contiguous();
+  const Routed r = prepare(op, x, topk_ids, topk_weights, E);
   const at::Tensor a13 = w13.contiguous(), a2 = w2.contiguous();
-  at::Tensor contrib = at::empty({T, k, H}, xf.options());                  // [T, k, H]
-  const Groups groups = group_by_expert(ids.data_ptr<int64_t>(), T * k, E);
   if (w13.scalar_type() == at::kFloat)
-    run_experts(xf.data_ptr<float>(), groups, a13.data_ptr<float>(), a2.data_ptr<float>(), E, H,
-                I, k, contrib.data_ptr<float>());
-  else
-    run_experts(xf.data_ptr<float>(), groups, a13.data_ptr<at::BFloat16>(),
-                a2.data_ptr<at::BFloat16>(), E, H, I, k, contrib.data_ptr<float>());
-  at::Tensor out = at::empty({T, H}, xf.options());
-  const float* c = contrib.data_ptr<float>();
-  const float* wt = wts.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)                                             // in j order
-    for (int64_t d = 0; d < H; ++d) {
-      float s = c[(t * k) * H + d] * wt[t * k];
-      for (int64_t j = 1; j < k; ++j) s += c[(t * k + j) * H + d] * wt[t * k + j];
-      o[t * H + d] = s;
+    return experts_pass(r, F32Rows{a13.data_ptr<float>(), H}, F32Rows{a2.data_ptr<float>(), I},
+                        E, I, x.scalar_type());
+  return experts_pass(r, Bf16Rows{a13.data_ptr<at::BFloat16>(), H},
+                      Bf16Rows{a2.data_ptr<at::BFloat16>(), I}, E, I, x.scalar_type());
+}
+
+at::Tensor moe_experts_quant(const at::Tensor& x, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const at::Tensor& w13,
+                             const at::Tensor& s13, const std::optional<at::Tensor>& z13,
+                             const at::Tensor& w2, const at::Tensor& s2,
+                             const std::optional<at::Tensor>& z2, int64_t group_size) {
+  const char* op = "kiln::moe_experts_quant";
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() ==
+                  w2.scalar_type(), op, ": x [T, H], w13 [E, 2I, ...], w2 [E, H, ...] of one dtype");
+  const int64_t H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H, op, ": w13 ", w13.sizes(), " and w2 ",
+              w2.sizes(), " do not fit x ", x.sizes());
+  const Routed r = prepare(op, x, topk_ids, topk_weights, E);
+  const at::Tensor q13 = w13.contiguous(), q2 = w2.contiguous();
+  const at::Tensor f13 = s13.to(at::kFloat).contiguous(), f2 = s2.to(at::kFloat).contiguous();
+  const auto dtype = x.scalar_type();
+  switch (w13.scalar_type()) {
+    case at::kChar:
+      TORCH_CHECK(w13.size(2) == H && w2.size(2) == I, op, ": int8 experts [E, N, K] expected");
+      return experts_pass(r, ScaledRows<int8_t>{q13.data_ptr<int8_t>(), f13.data_ptr<float>(), H},
+                          ScaledRows<int8_t>{q2.data_ptr<int8_t>(), f2.data_ptr<float>(), I}, E,
+                          I, dtype);
+    case at::kFloat8_e4m3fn: {
+      using F8 = c10::Float8_e4m3fn;
+      TORCH_CHECK(w13.size(2) == H && w2.size(2) == I, op, ": fp8 experts [E, N, K] expected");
+      return experts_pass(r, ScaledRows<F8>{q13.data_ptr<F8>(), f13.data_ptr<float>(), H},
+                          ScaledRows<F8>{q2.data_ptr<F8>(), f2.data_ptr<float>(), I}, E, I, dtype);
     }
-  return out.to(x.scalar_type());
+    case at::kByte: {
+      TORCH_CHECK(z13.has_value() && z2.has_value() && group_size > 0 && H % 32 == 0 &&
+                      I % 32 == 0 && H % group_size == 0 && I % group_size == 0 &&
+                      w13.size(2) == H / 2 && w2.size(2) == I / 2,
+                  op, ": int4 experts need zeros, a group_size dividing H and I (multiples of 32)");
+      const at::Tensor zz13 = z13->to(at::kFloat).contiguous();
+      const at::Tensor zz2 = z2->to(at::kFloat).contiguous();
+      return experts_pass(
+          r, Int4Rows{q13.data_ptr<uint8_t>(), f13.data_ptr<float>(), zz13.data_ptr<float>(), H,
+                      group_size},
+          Int4Rows{q2.data_ptr<uint8_t>(), f2.data_ptr<float>(), zz2.data_ptr<float>(), I,
+                   group_size},
+          E, I, dtype);
+    }
+    default:
+      TORCH_CHECK(false, op, ": experts of dtype ", w13.scalar_type(),
+                  "; int8, float8_e4m3fn or uint8 (int4) expected");
+  }
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("moe_experts", &moe_experts); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("moe_experts", &moe_experts);
+  m.impl("moe_experts_quant", &moe_experts_quant);
+}
 
 // ---- AOTInductor C shim (plugins/csrc/aoti_shim.h) --------------------------------------------
 #include "../../csrc/aoti_shim.h"
@@ -165,5 +286,21 @@ KILN_AOTI_SHIM aoti_torch_cpu_moe_experts(AtenTensorHandle x, AtenTensorHandle i
     *ret0 = kiln_shim::result(op.call(kiln_shim::tensor(x), kiln_shim::tensor(ids),
                                       kiln_shim::tensor(weights), kiln_shim::tensor(w13),
                                       kiln_shim::tensor(w2)));
+  });
+}
+
+KILN_AOTI_SHIM aoti_torch_cpu_moe_experts_quant(
+    AtenTensorHandle x, AtenTensorHandle ids, AtenTensorHandle weights, AtenTensorHandle w13,
+    AtenTensorHandle s13, AtenTensorHandle* z13, AtenTensorHandle w2, AtenTensorHandle s2,
+    AtenTensorHandle* z2, int64_t group_size, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using kiln_shim::Opt;
+    using kiln_shim::T;
+    static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, T, Opt, T, T, Opt, int64_t)>(
+        "kiln::moe_experts_quant");
+    *ret0 = kiln_shim::result(op.call(
+        kiln_shim::tensor(x), kiln_shim::tensor(ids), kiln_shim::tensor(weights),
+        kiln_shim::tensor(w13), kiln_shim::tensor(s13), kiln_shim::optional(z13),
+        kiln_shim::tensor(w2), kiln_shim::tensor(s2), kiln_shim::optional(z2), group_size));
   });
 }

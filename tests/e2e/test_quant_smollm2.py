@@ -1,6 +1,9 @@
-"""SmolLM2-135M plans at int8, int4 and fp8 (and int8/fp8 with a KV cache of the same kind):
-each builds (AOTInductor), passes its accuracy gate on 20480 pydoc tokens, and answers the
-golden prompt.
+"""SmolLM2-135M plans at int8 and int4 (bf16 KV cache) and fp8 with an fp8 KV cache: each
+builds (AOTInductor), passes its accuracy gate on 20480 pydoc tokens, and answers the golden
+prompt. Between them and the throughput plan (W4A8, int8 KV cache) every weight format and
+every KV cache format runs on the real model once; the other combinations
+(model_specs/smollm2-135m-{int8-kv8,fp8}-cpu.yaml) are built by bench/precisions.py and
+checked on tiny models (tests/model/test_quant_plans.py).
 
 The plans go where `kiln build model_specs/smollm2-135m-<p>-cpu.yaml` puts them (plans/), so
 bench/precisions.py and the README share them; the fp32 reference is computed once per
@@ -23,7 +26,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module", params=["int8", "int4", "fp8", "int8-kv8", "fp8-kv8"])
+@pytest.fixture(scope="module", params=["int8", "int4", "fp8-kv8"])
 def quant_plan(request, smollm2_gguf):
     p = request.param
     return p, build(ROOT / "model_specs" / f"smollm2-135m-{p}-cpu.yaml",
@@ -39,8 +42,7 @@ def test_builds_and_passes_its_gate(quant_plan):
     assert m["kv_cache"]["dtype"] == (weights if kv8 else "bf16")
     assert acc["passed"] and acc["tokens"] >= 20000 and acc["text"] == "pydoc"
     assert acc["ppl_increase"] <= acc["max_ppl_increase"]
-    assert acc["top1_agreement"] >= {"int8": 0.9, "fp8": 0.85, "int4": 0.9, "int8-kv8": 0.9,
-                                     "fp8-kv8": 0.85}[prec]
+    assert acc["top1_agreement"] >= {"int8": 0.9, "int4": 0.9, "fp8-kv8": 0.85}[prec]
     assert 5 < acc["ref_ppl"] < 100                      # a healthy fp32 reference
 
 

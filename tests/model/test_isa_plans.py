@@ -232,6 +232,12 @@ for cache in (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn):
                 torch.set_num_threads(threads)
                 check_paged_attention(op, make_batch(s, H, KVH, D, bs, cache_dtype=cache,
                                                      seed=D + bs + i), tol, tol)
+    for H, KVH, D, bs in [(9, 3, 64, 16), (6, 2, 36, 8)]:   # a window and a soft-cap
+        for s, window, cap in [(MIXED, 33, 2.0), ([(300, 1)] * 3, 100, 0.0)]:
+            b = make_batch(s, H, KVH, D, bs, cache_dtype=cache, seed=window)
+            b.window, b.softcap = window, cap
+            tol = 1e-4 if cache == torch.float32 else 2e-3
+            check_paged_attention(op, b, tol, tol)
 print("ok")
 """
 
@@ -239,8 +245,9 @@ print("ok")
 @pytest.mark.parametrize("level", LEVELS)
 def test_paged_attention_matches_the_reference_at_every_level(level):
     """Each level's attention kernel (at::vec width, the pool rows' conversions, the decode
-    blocks' register paths for head dims of 2, 4 and 8 vectors and the other dims' float rows)
-    gives the reference's output for every pool dtype; each in its own process."""
+    blocks' register paths for head dims of 2, 4 and 8 vectors and the other dims' float rows,
+    with and without a window and a soft-cap) gives the reference's output for every pool
+    dtype; each in its own process."""
     r = subprocess.run([sys.executable, "-c", ATTENTION, level], capture_output=True,
                        text=True, cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]

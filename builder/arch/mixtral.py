@@ -9,7 +9,8 @@ Weight tables: the Llama family's attention and norms, and per layer
 
 (HF checkpoints on the hub and transformers' save_pretrained both write one tensor per
 expert.) A checkpoint with more or fewer experts than config.json says is refused naming
-the expert tensors missing or left over.
+the expert tensors missing or left over. A Mixtral GGUF is llama.cpp's `llama` architecture
+with experts: the llama family reads it (builder/arch/moe.gguf_moe_rules).
 """
 from __future__ import annotations
 

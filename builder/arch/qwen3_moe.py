@@ -9,6 +9,9 @@ of intermediate_size. Weight tables: Qwen3's, and for the sparse layers
     feed_forward.gate.weight  <- mlp.gate.weight
     feed_forward.experts.w13  <- [mlp.experts.{e}.gate_proj; mlp.experts.{e}.up_proj] per e
     feed_forward.experts.w2   <- mlp.experts.{e}.down_proj for each e
+
+GGUF (architecture `qwen3moe`): Qwen3's table, and the sparse layers from llama.cpp's
+stacked experts (builder/arch/moe.gguf_moe_rules); the config from its expert_* keys.
 """
 from __future__ import annotations
 
@@ -17,9 +20,9 @@ import dataclasses
 from kiln.builder.arch.blocks import DecoderModel
 from kiln.builder.arch.config import DecoderConfig
 from kiln.builder.arch.family import Family
-from kiln.builder.arch.llama import HF_IGNORE, hf_rules
-from kiln.builder.arch.moe import dense_only, moe_rules
-from kiln.builder.arch.qwen3 import _HF_QK
+from kiln.builder.arch.llama import HF_IGNORE, gguf_rules_for, hf_rules
+from kiln.builder.arch.moe import dense_only, gguf_moe_rules, moe_rules
+from kiln.builder.arch.qwen3 import _GGUF_QK, _HF_QK
 from kiln.builder.arch.qwen3 import config_from_hf as qwen3_config
 
 
@@ -55,9 +58,9 @@ HF_RULES = dense_only(hf_rules(_HF_QK)) + moe_rules(
     "experts.{e}.down_proj.weight")
 
 FAMILY = Family(
-    name="qwen3_moe", hf_model_types=("qwen3_moe",), gguf_archs=(),
+    name="qwen3_moe", hf_model_types=("qwen3_moe",), gguf_archs=("qwen3moe",),
     config_from_hf=config_from_hf,
-    gguf_options=lambda arch, names: {},
+    gguf_options=lambda arch, names: {"qk_norm": True},
     hf_rules=HF_RULES, hf_ignore=HF_IGNORE,
-    gguf_rules=lambda arch: (),
+    gguf_rules=lambda arch: dense_only(gguf_rules_for(False, _GGUF_QK)) + gguf_moe_rules(),
     model=DecoderModel)

@@ -85,6 +85,10 @@ class Mapped:
         try:
             parts = [p.transform(t, cfg) if p.transform else t for p, t in zip(self.pieces, raw)]
             if self.stacked:
+                for p, t in zip(self.pieces, parts):
+                    if t.dim() != 3 or t.shape[0] != cfg.num_experts:
+                        raise ValueError(f"{p.name} {list(t.shape)} is not a stack of "
+                                         f"{cfg.num_experts} experts (the config's count)")
                 return torch.cat(parts, dim=1).flatten(0, 1)
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         except RuntimeError as e:

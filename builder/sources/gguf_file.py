@@ -89,9 +89,28 @@ def _config(meta: dict, names: set[str], path: Path) -> DecoderConfig:
             tie_word_embeddings="output.weight" not in names,
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)), family=arch,
-            **family.gguf_options(arch, names))
+            **_experts(get, names), **family.gguf_options(arch, names))
     except ValueError as e:
         raise CheckpointError(f"{path}: inconsistent metadata: {e}") from None
+
+
+def _experts(get, names: set[str]) -> dict:
+    """The mixture-of-experts fields, from llama.cpp's keys of any architecture
+    ({arch}.expert_count, expert_used_count, expert_feed_forward_length, expert_weights_norm);
+    the sparse layers are those with a router (blk.N.ffn_gate_inp.weight)."""
+    count = int(get("expert_count", 0, required=False) or 0)
+    sparse = tuple(sorted(int(n.split(".")[1]) for n in names
+                          if n.startswith("blk.") and n.endswith(".ffn_gate_inp.weight")))
+    if not count and not sparse:
+        return {}
+    if not count or not sparse:
+        raise ValueError(f"expert_count is {count} and {len(sparse)} layers have a router "
+                         "(ffn_gate_inp): both or neither")
+    return dict(num_experts=count, experts_per_token=int(get("expert_used_count")),
+                moe_intermediate_size=int(get("expert_feed_forward_length", None, False)
+                                          or get("feed_forward_length")),
+                normalize_topk=bool(get("expert_weights_norm", True, False)),
+                sparse_layers=sparse)
 
 
 def _dequantize(t, path: Path) -> torch.Tensor:

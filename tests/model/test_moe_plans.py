@@ -11,19 +11,22 @@ import torch
 from kiln.builder.sources import open_checkpoint
 from kiln.builder.spec import ModelSpec
 from tests.model.test_qwen3_plans import _build, _check_plan_matches_transformers
-from tests.model.test_sources import TINY, _write_tokenizer
+from tests.model.test_sources import TINY, _write_gguf, _write_tokenizer
 
 pytestmark = pytest.mark.model
 transformers = pytest.importorskip("transformers")
 
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}   # the GGUF writer's base
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}   # llama.cpp's names
 MOE = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False)),
+                dict(num_local_experts=8, num_experts_per_tok=2, tie_word_embeddings=False,
+                     rope_parameters=ROPE)),
     # many small experts, top-4 renormalized; layer 1 keeps the dense MLP (mlp_only_layers)
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
                        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
-                       head_dim=32, tie_word_embeddings=False)),
+                       head_dim=32, tie_word_embeddings=False, rope_parameters=ROPE)),
 }
 
 
@@ -62,6 +65,32 @@ def test_moe_fp32_plan_matches_transformers(moe_hf, tmp_path, digest_cache):
     assert cfg["sparse_layers"] == ([0, 1] if family == "mixtral" else [0])
     assert m["model"]["num_parameters"] == sum(p.numel() for p in hf_model.parameters())
     _check_plan_matches_transformers(plan, hf_model)
+
+
+def test_moe_gguf_plan_matches_transformers(moe_hf, tmp_path, digest_cache):
+    family, _, hf_model = moe_hf
+    path = tmp_path / f"tiny-{family}.gguf"
+    _write_gguf(path, GGUF_ARCH[family], hf_model)
+    plan = _build(tmp_path, path, f"{family}-gguf", {"weights": "fp32"}, backend="eager")
+    cfg = json.loads((plan / "plan.json").read_text())["model"]["config"]
+    assert cfg["num_experts"] == (8 if family == "mixtral" else 16)
+    assert cfg["experts_per_token"] == (2 if family == "mixtral" else 4)
+    _check_plan_matches_transformers(plan, hf_model)
+
+
+def test_a_gguf_whose_expert_count_disagrees_with_its_tensors_is_refused(tmp_path,
+                                                                        monkeypatch):
+    import gguf
+
+    from kiln.builder.sources import load_model
+
+    add = gguf.GGUFWriter.add_expert_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_count", lambda w, n: add(w, n + 1))
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path, "llama", moe_model("mixtral"))           # expert_count 9, 8 experts
+    with pytest.raises(ValueError, match=r"feed_forward\.gate\.weight has shape \[8, 64\], "
+                                         r"the model declares \[9, 64\]"):
+        load_model(open_checkpoint(ModelSpec(source=str(path))))
 
 
 def _saved(tmp_path, family: str, **overrides):

@@ -120,6 +120,30 @@ def test_weights_digest_is_stable_and_cached(tmp_path, digest_cache):
 
 # --- GGUF written from a HF model ----------------------------------------------------------
 
+def _add_experts(w, hf_model):
+    """llama.cpp's MoE keys and stacked expert tensors of a transformers Mixtral / Qwen3-MoE
+    (in memory: mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]); nothing for a
+    dense model."""
+    cfg = hf_model.config
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+    w.add_expert_feed_forward_length(inter)
+    for name, t in hf_model.state_dict().items():
+        i = name.split(".")[2] if name.startswith("model.layers.") else None
+        t = t.detach().float().numpy()
+        if name.endswith(".mlp.gate.weight"):
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", t)
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :inter]))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, inter:]))
+        elif name.endswith(".mlp.experts.down_proj"):
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t)
+
+
 def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     import gguf
     cfg = hf_model.config
@@ -133,7 +157,7 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg.vocab_size)
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3moe"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     tok = json.loads(byte_level(VOCAB, 1, 2))
@@ -154,6 +178,8 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     for name, t in hf_model.state_dict().items():
+        if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
+            continue                                          # _add_experts
         t = t.detach().float()
         if name == "lm_head.weight":
             if cfg.tie_word_embeddings:
@@ -171,6 +197,7 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
             elif family == "llama" and ".attn_k." in out:
                 t = permute_rope(t, cfg.num_key_value_heads)
         w.add_tensor(out, t.numpy().astype(dtype if t.ndim == 2 else np.float32))
+    _add_experts(w, hf_model)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

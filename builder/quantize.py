@@ -242,6 +242,10 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         msg = (f"int8 activations are not implemented for mixture-of-experts layers "
                f"({next(iter(experts))}); use activations: float")
         raise FieldError("activations", msg, msg)
+    if experts and device != "cpu" and weights not in ("fp32", "bf16"):
+        msg = (f"{weights} experts ({next(iter(experts))}) have no GPU kernel (the Triton "
+               "experts pass reads float32 / bfloat16 weights); use bf16, or a CPU target")
+        raise FieldError("weights", msg, msg)
     scheme = choose_scheme(weights, group_size, keep, activations, device,
                            dict(all_q, **_experts_k(experts)))
     acts: dict[str, torch.Tensor] = {}

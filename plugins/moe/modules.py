@@ -33,8 +33,19 @@ class Experts(nn.Module):
 
     def forward(self, x, topk_ids, topk_weights):
         e, i, h = self.num_experts, self.inter, self.hidden
-        return torch.ops.kiln.moe_experts(x, topk_ids, topk_weights, self.w13.view(e, 2 * i, h),
+        return float_experts_op(x.device)(x, topk_ids, topk_weights, self.w13.view(e, 2 * i, h),
                                           self.w2.view(e, h, i))
+
+
+def float_experts_op(device: torch.device):
+    """The experts pass over float experts for x's device: on CUDA the Triton kernels
+    (kiln::moe_experts_triton, which AOTInductor compiles into the plan), elsewhere
+    kiln::moe_experts (the CPU kernel once loaded). Chosen when the model is traced."""
+    if device.type == "cuda":
+        from kiln.plugins.moe import triton_experts  # noqa: F401  (imports triton)
+
+        return torch.ops.kiln.moe_experts_triton
+    return torch.ops.kiln.moe_experts
 
 
 def _view(t: Optional[torch.Tensor], e: int):
@@ -69,7 +80,7 @@ class QuantExperts(nn.Module):
         e = self.num_experts
         w13, w2 = _view(self.w13_qweight, e), _view(self.w2_qweight, e)
         if self.scheme == "bf16":
-            return torch.ops.kiln.moe_experts(x, topk_ids, topk_weights, w13, w2)
+            return float_experts_op(x.device)(x, topk_ids, topk_weights, w13, w2)
         return torch.ops.kiln.moe_experts_quant(
             x, topk_ids, topk_weights, w13, _view(self.w13_scales, e), _view(self.w13_zeros, e),
             w2, _view(self.w2_scales, e), _view(self.w2_zeros, e), self.group_size)

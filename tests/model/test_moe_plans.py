@@ -146,3 +146,19 @@ def test_int8_activations_are_refused_for_experts(tmp_path):
     with pytest.raises(SpecError, match="int8 activations are not implemented for mixture"):
         _build(tmp_path, hf_dir, "mixtral-w8a8", {"weights": "int8", "activations": "int8"},
                backend="eager")
+
+
+def test_quantized_experts_are_refused_for_a_gpu_target():
+    from kiln.builder.arch.blocks import DecoderModel
+    from kiln.builder.arch.config import DecoderConfig
+    from kiln.builder.quantize import quantize_model
+    from kiln.contracts import FieldError
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=16, family="mixtral",
+                        num_experts=4, experts_per_token=2, moe_intermediate_size=32,
+                        sparse_layers=(0,))
+    with pytest.raises(FieldError, match="int8 experts .* have no GPU kernel"):
+        quantize_model(DecoderModel(cfg), "int8", device="h100")
+    record = quantize_model(DecoderModel(cfg), "bf16", device="h100")   # Triton reads bf16
+    assert "layers.0.feed_forward.experts" in record.quantized

@@ -57,14 +57,6 @@ def check_spec_against_model(spec: Spec, cfg) -> None:
         problems.append(("limits.max_seq_len", f"{spec.limits.max_seq_len} is beyond the "
                          f"model's context of {cfg.max_position_embeddings} tokens; allowed: "
                          f"16..{cfg.max_position_embeddings}"))
-    window = cfg.sliding_window
-    if window is not None and spec.limits.max_seq_len > window:
-        # kiln's paged attention attends over the whole context: past the window it would
-        # compute different attention from the model's
-        problems.append(("limits.max_seq_len", f"{spec.limits.max_seq_len} is beyond the "
-                         f"model's sliding_window of {window} tokens (config.json "
-                         f"sliding_window), which kiln's paged attention does not implement; "
-                         f"allowed: 16..{window} (set limits.max_seq_len <= {window})"))
     if problems:
         raise SpecError(spec.name, problems)
 

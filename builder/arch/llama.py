@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral below its sliding window, Qwen2, SmolLM): the plain
+"""The Llama family (Llama 2/3, Mistral with its sliding window, Qwen2, SmolLM): the plain
 decoder of builder/arch/blocks.py, with q/k/v biases for Qwen2.
 
 Weight tables, HF and GGUF (concatenated along dim 0 in the order listed):
@@ -11,10 +11,11 @@ style) rope (llama, mistral); Qwen2 GGUFs use the NeoX layout and are stored unp
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from kiln.builder.arch.blocks import DecoderModel, param_shapes, rope_inv_freq  # noqa: F401
 from kiln.builder.arch.config import DecoderConfig, RopeScaling, UnsupportedConfig  # noqa: F401
 from kiln.builder.arch.family import Family, hf_common
-from kiln.builder.arch.moe import dense_only, gguf_moe_rules
 from kiln.builder.arch.weights import Piece, Rule, pieces, unpermute_k, unpermute_q
 
 # The names the rest of kiln has always used for the decoder and its config.
@@ -32,10 +33,31 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
     bias = cfg.get("attention_bias", mtype == "qwen2")
     if bias and mtype != "qwen2":
         raise UnsupportedConfig("attention_bias", bias, "false", mtype)
-    window = None   # Qwen2 declares a window it uses only with use_sliding_window
-    if mtype == "mistral" or cfg.get("use_sliding_window"):
-        window = cfg.get("sliding_window") or None
-    return DecoderConfig(**common, attention_bias=bool(bias), sliding_window=window)
+    if mtype == "mistral":   # every layer (transformers' Mistral ignores layer_types)
+        window, layers = cfg.get("sliding_window") or None, ()
+    else:
+        window, layers = qwen_window(cfg, mtype)
+    return DecoderConfig(**common, attention_bias=bool(bias), sliding_window=window,
+                         sliding_layers=layers)
+
+
+def qwen_window(cfg: dict, family: str) -> tuple[Optional[int], tuple[int, ...]]:
+    """Qwen2/Qwen3's window and the layers it applies to, as transformers decides them: no
+    window without use_sliding_window; else the layers config.json's layer_types marks
+    "sliding_attention", or without layer_types those from max_window_layers (default 28) on."""
+    window = cfg.get("sliding_window") or None
+    if not cfg.get("use_sliding_window") or window is None:
+        return None, ()
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        layers = tuple(range(cfg.get("max_window_layers", 28), n))
+    else:
+        if len(types) != n or set(types) - {"full_attention", "sliding_attention"}:
+            raise UnsupportedConfig("layer_types", types, f"{n} entries, each "
+                                    "'full_attention' or 'sliding_attention'", family)
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (int(window), layers) if layers else (None, ())
 
 
 def hf_rules(extra_attention: tuple[Rule, ...] = ()) -> tuple[Rule, ...]:
@@ -99,7 +121,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     gguf_options=lambda arch, names: {"attention_bias": "blk.0.attn_q.bias" in names},
     hf_rules=hf_rules(), hf_ignore=HF_IGNORE,
-    # a llama GGUF with experts (Mixtral): the MLP of the layers that have a router
-    gguf_rules=lambda arch: dense_only(gguf_rules_for(arch in GGUF_PERMUTED_ARCHS))
-    + gguf_moe_rules(),
+    gguf_rules=lambda arch: gguf_rules_for(arch in GGUF_PERMUTED_ARCHS),
     model=DecoderModel)

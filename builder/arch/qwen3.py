@@ -9,7 +9,7 @@ from __future__ import annotations
 from kiln.builder.arch.blocks import DecoderModel
 from kiln.builder.arch.config import DecoderConfig, UnsupportedConfig
 from kiln.builder.arch.family import Family, hf_common
-from kiln.builder.arch.llama import HF_IGNORE, gguf_rules_for, hf_rules
+from kiln.builder.arch.llama import HF_IGNORE, gguf_rules_for, hf_rules, qwen_window
 from kiln.builder.arch.weights import Rule, pieces
 
 
@@ -18,8 +18,8 @@ def config_from_hf(cfg: dict) -> DecoderConfig:
     common = hf_common(cfg, "qwen3", default_eps=1e-6)
     if cfg.get("attention_bias"):   # Qwen3's attention_bias also puts a bias on o_proj
         raise UnsupportedConfig("attention_bias", cfg["attention_bias"], "false", "qwen3")
-    window = cfg.get("sliding_window") or None if cfg.get("use_sliding_window") else None
-    return DecoderConfig(**common, qk_norm=True, sliding_window=window)
+    window, layers = qwen_window(cfg, "qwen3")
+    return DecoderConfig(**common, qk_norm=True, sliding_window=window, sliding_layers=layers)
 
 
 _HF_QK = (

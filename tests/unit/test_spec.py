@@ -1,6 +1,7 @@
 """Spec validation: every error names the YAML path, the bad value and what is allowed."""
 import pytest
 
+from kiln.builder.arch.config import UnsupportedConfig
 from kiln.builder.spec import SpecError, load_spec, parse_memory, parse_spec
 from tests.helpers import TINY_SPEC as BASE, spec_problems as problems
 
@@ -141,30 +142,36 @@ MISTRAL = {"model_type": "mistral", "vocab_size": 64, "hidden_size": 32,
            "max_position_embeddings": 4096, "sliding_window": 512}
 
 
-@pytest.mark.parametrize("max_seq_len,refused", [(1024, True), (512, False), (256, False)])
-def test_mistral_sliding_window_caps_max_seq_len(max_seq_len, refused):
-    """The paged attention op has no window: a context past Mistral's sliding_window would
-    attend differently from the model, so the build refuses it and names the fix."""
+@pytest.mark.parametrize("max_seq_len", [1024, 512, 256])
+def test_mistral_runs_past_its_sliding_window(max_seq_len):
+    """Paged attention honours the window: a context past Mistral's sliding_window builds,
+    and every layer attends through the window."""
     from kiln.builder.arch.families import config_from_hf
     from kiln.builder.build import check_spec_against_model
 
-    cfg = config_from_hf(MISTRAL)
-    assert cfg.sliding_window == 512
-    spec = parse_spec(BASE + f"limits: {{max_seq_len: {max_seq_len}}}\n")
-    if not refused:
-        check_spec_against_model(spec, cfg)
-        return
-    with pytest.raises(SpecError) as e:
-        check_spec_against_model(spec, cfg)
-    assert dict(e.value.problems).keys() == {"limits.max_seq_len"}
-    assert "sliding_window of 512" in str(e.value) and "max_seq_len <= 512" in str(e.value)
+    cfg = config_from_hf({**MISTRAL, "num_hidden_layers": 3})
+    assert cfg.sliding_window == 512 and [cfg.window_for(i) for i in range(3)] == [512] * 3
+    check_spec_against_model(parse_spec(BASE + f"limits: {{max_seq_len: {max_seq_len}}}\n"),
+                             cfg)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
-def test_qwen_window_counts_only_when_used(model_type):
+def test_qwen_window_layers_as_transformers_decides(model_type):
+    """No window without use_sliding_window; with it, the layers layer_types marks sliding,
+    or without layer_types those from max_window_layers on (none: no window at all)."""
     from kiln.builder.arch.families import config_from_hf
 
-    qwen = {**MISTRAL, "model_type": model_type, "sliding_window": 4096}
+    qwen = {**MISTRAL, "model_type": model_type, "sliding_window": 4096, "num_hidden_layers": 4}
     assert config_from_hf(qwen).sliding_window is None
-    assert config_from_hf({**qwen, "use_sliding_window": True}).sliding_window == 4096
+    on = {**qwen, "use_sliding_window": True}
+    assert config_from_hf(on).sliding_window is None              # max_window_layers 28 > 4
+    cfg = config_from_hf({**on, "max_window_layers": 1})
+    assert [cfg.window_for(i) for i in range(4)] == [0, 4096, 4096, 4096]
+    types = ["sliding_attention", "full_attention"] * 2
+    cfg = config_from_hf({**on, "max_window_layers": 1, "layer_types": types})
+    assert [cfg.window_for(i) for i in range(4)] == [4096, 0, 4096, 0]
+    with pytest.raises(UnsupportedConfig, match="layer_types"):
+        config_from_hf({**on, "layer_types": ["chunked_attention"] * 4})
+    with pytest.raises(UnsupportedConfig, match="4 entries"):
+        config_from_hf({**on, "layer_types": ["full_attention"]})
     assert config_from_hf({**MISTRAL, "sliding_window": None}).sliding_window is None

@@ -66,7 +66,10 @@ def reference(ckpt, ids: list[int], window: int, text_sha: str,
     """The unquantized (eager fp32) result on ids, from the cache or computed; (result, cached).
 
     `model`: an fp32 model of ckpt not yet quantized (saves loading one)."""
-    key = reference_key(ckpt.weights_digest, text_sha, len(ids), window, ckpt.tokenizer_json)
+    weights = ckpt.weights_digest
+    if ckpt.config.longrope is not None:   # the same weights give two models (for_max_seq_len)
+        weights += ":longrope-" + ("long" if ckpt.config.longrope.long else "short")
+    key = reference_key(weights, text_sha, len(ids), window, ckpt.tokenizer_json)
     path = cache_dir() / f"{key}.json"
     try:
         d = json.loads(path.read_text())

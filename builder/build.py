@@ -135,6 +135,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_build_machine(spec)
     ckpt = open_checkpoint(spec.model)
     check_spec_against_model(spec, ckpt.config)
+    ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
     fp, fp_inputs = plan_fingerprint(spec, ckpt, target)
     if not force and is_up_to_date(out, fp):

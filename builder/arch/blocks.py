@@ -23,9 +23,12 @@ from kiln.plugins.paged_kv import ops as paged_kv_ops  # registers kiln::paged_a
 
 
 def rope_inv_freq(cfg: DecoderConfig) -> torch.Tensor:
-    """[head_dim/2] float32 inverse frequencies, with Llama 3 scaling applied if configured."""
-    d = cfg.head_dim
+    """[rotary_dim/2] float32 inverse frequencies, with Llama 3 scaling or LongRoPE's
+    factors (the set cfg.longrope.long picks) applied if configured."""
+    d = cfg.rotary_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if cfg.longrope is not None:
+        return inv / torch.tensor(cfg.longrope.factors, dtype=torch.float32)
     s = cfg.rope_scaling
     if s is None:
         return inv
@@ -59,9 +62,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, D] float32 -> x rotated (HF's rotate_half layout)."""
+    """x [T, heads, D]; cos/sin [T, 1, R] float32 -> x with its first R dims rotated (HF's
+    rotate_half layout) and the other D - R passed through (partial rotary)."""
+    r = cos.shape[-1]
     xf = x.float()
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    out = xf[..., :r] * cos + _rotate_half(xf[..., :r]) * sin
+    if r < x.shape[-1]:
+        out = torch.cat((out, xf[..., r:]), dim=-1)
+    return out.to(x.dtype)
 
 
 @dataclass
@@ -156,6 +164,8 @@ class DecoderModel(nn.Module):
         self.output = None if cfg.tie_word_embeddings else nn.Linear(
             cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # LongRoPE scales cos and sin (so q.k by its square); 1.0 otherwise
+        self.rope_scale = cfg.longrope.attention_factor if cfg.longrope else 1.0
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
@@ -166,10 +176,13 @@ class DecoderModel(nn.Module):
                 query_start_loc, logits_indices, k_caches: list[torch.Tensor],
                 v_caches: list[torch.Tensor]) -> torch.Tensor:
         """-> logits [N, vocab] float32 for the N rows in logits_indices."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]             # [T, 1, D]
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, R/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]             # [T, 1, R]
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
         s = StepInputs(positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                       emb.cos(), emb.sin())
+                       cos, sin)
         x = self.tok_embeddings(input_ids)                              # [T, hidden]
         for layer, kc, vc in zip(self.layers, k_caches, v_caches):
             x = layer(x, s, kc, vc)

@@ -6,7 +6,7 @@ cannot honour is refused while reading (builder/arch/family.py), never dropped.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 
@@ -17,6 +17,25 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """LongRoPE (Phi-3 / Phi-4): each inverse frequency divided by its own factor, one set
+    for contexts up to original_max_position_embeddings and one beyond; cos and sin are
+    multiplied by attention_factor. A compiled step cannot switch sets by the length of a
+    sequence (the K already cached keep their rotation), so one set serves every position
+    of a plan: `long`, which the builder sets when limits.max_seq_len exceeds
+    original_max_position_embeddings (`for_max_seq_len`)."""
+    short_factor: tuple[float, ...]       # [rotary_dim / 2]
+    long_factor: tuple[float, ...]        # [rotary_dim / 2]
+    original_max_position_embeddings: int
+    attention_factor: float
+    long: bool = False
+
+    @property
+    def factors(self) -> tuple[float, ...]:
+        return self.long_factor if self.long else self.short_factor
 
 
 class UnsupportedConfig(ValueError):
@@ -40,6 +59,8 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Optional[RopeScaling] = None
+    longrope: Optional[LongRope] = None   # Phi-3 / Phi-4 LongRoPE (not with rope_scaling)
+    partial_rotary_factor: float = 1.0    # RoPE rotates the first rotary_dim of each head
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
     attention_bias: bool = False          # biases on q/k/v (Qwen2)
@@ -74,6 +95,19 @@ class DecoderConfig:
             return 0
         return self.sliding_window
 
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head that RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def for_max_seq_len(self, max_seq_len: int) -> "DecoderConfig":
+        """This config for a plan of max_seq_len tokens: LongRoPE's long factors when it
+        exceeds original_max_position_embeddings, else the short ones."""
+        if self.longrope is None:
+            return self
+        long = max_seq_len > self.longrope.original_max_position_embeddings
+        return replace(self, longrope=replace(self.longrope, long=long))
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -82,6 +116,10 @@ class DecoderConfig:
         d = dict(d)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        if d.get("longrope"):
+            lr = d["longrope"]
+            d["longrope"] = LongRope(**{**lr, "short_factor": tuple(lr["short_factor"]),
+                                        "long_factor": tuple(lr["long_factor"])})
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["sparse_layers"] = tuple(d.get("sparse_layers", ()))
         d["sliding_layers"] = tuple(d.get("sliding_layers", ()))

@@ -9,8 +9,9 @@ change the math and that no block implements, naming the key, its value and what
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from kiln.builder.arch.config import DecoderConfig, RopeScaling, UnsupportedConfig
@@ -28,13 +29,16 @@ class Family:
     hf_ignore: tuple[str, ...]                 # regexes of HF tensors that are never needed
     gguf_rules: Callable[[str], tuple[Rule, ...]]   # per GGUF architecture
     model: Callable[[DecoderConfig], nn.Module]
+    gguf_ignore: tuple[str, ...] = ()          # GGUF tensors read into the config, not weights
+    # (GGUF metadata, read a tensor by name) -> DecoderConfig fields the family reads itself
+    gguf_config: Optional[Callable[[dict, Callable[[str], torch.Tensor]], dict]] = None
 
     def rules(self, fmt: str, arch: str) -> tuple[tuple[Rule, ...], tuple[str, ...]]:
         """(rules, ignore patterns) for a source format ('hf' | 'gguf')."""
         if fmt == "hf":
             return self.hf_rules, self.hf_ignore
         if fmt == "gguf":
-            return self.gguf_rules(arch), ()
+            return self.gguf_rules(arch), self.gguf_ignore
         raise ValueError(f"unknown source format {fmt!r}")
 
 

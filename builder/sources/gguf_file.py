@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -49,7 +49,8 @@ def _metadata(reader) -> dict:
     return meta
 
 
-def _config(meta: dict, names: set[str], path: Path) -> DecoderConfig:
+def _config(meta: dict, names: set[str], path: Path,
+            read: Callable[[str], torch.Tensor]) -> DecoderConfig:
     arch = meta.get("general.architecture")
     try:
         family = family_for_gguf(arch)
@@ -77,7 +78,7 @@ def _config(meta: dict, names: set[str], path: Path) -> DecoderConfig:
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
            if k in meta]
     try:
-        return DecoderConfig(
+        fields = dict(
             vocab_size=int(get("vocab_size", len(tokens) or None)),
             hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
             num_layers=int(get("block_count")), num_heads=heads,
@@ -90,6 +91,11 @@ def _config(meta: dict, names: set[str], path: Path) -> DecoderConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=tuple(dict.fromkeys(int(i) for i in eos)), family=arch,
             **_experts(get, names), **family.gguf_options(arch, names))
+        if family.gguf_config is not None:   # fields the family reads itself (may override)
+            fields.update(family.gguf_config(meta, read))
+        return DecoderConfig(**fields)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: metadata key {e.args[0]} is missing") from None
     except ValueError as e:
         raise CheckpointError(f"{path}: inconsistent metadata: {e}") from None
 
@@ -145,7 +151,7 @@ def open_gguf(path: Path) -> Checkpoint:
     reader = _reader(path)
     meta = _metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
-    config = _config(meta, set(tensors), path)
+    config = _config(meta, set(tensors), path, lambda n: _dequantize(tensors[n], path))
     try:
         plan = plan_mapping(config, "gguf", tensors)
     except MappingError as e:

@@ -36,10 +36,12 @@ def qwen3(tmp_path_factory):
     return root / "hf", root / "tiny-qwen3.gguf", model
 
 
-def _build(tmp_path, source, name: str, precision: dict, backend: str = "aoti"):
+def _build(tmp_path, source, name: str, precision: dict, backend: str = "aoti",
+           max_seq_len: int = 256, max_num_tokens: int = 64):
     spec = {"name": name, "model": {"source": str(source)},
             "target": {"device": "cpu", "backend": backend}, "precision": precision,
-            "limits": {"max_batch_size": 8, "max_seq_len": 256, "max_num_tokens": 64},
+            "limits": {"max_batch_size": 8, "max_seq_len": max_seq_len,
+                       "max_num_tokens": max_num_tokens},
             "kv_cache": {"tokens_per_block": 16, "memory": "8MiB"},
             "accuracy": {"eval_tokens": 512}}
     path = tmp_path / f"{name}.yaml"
@@ -47,13 +49,15 @@ def _build(tmp_path, source, name: str, precision: dict, backend: str = "aoti"):
     return build(path, tmp_path / "plans" / name, progress=Progress(enabled=False)).path
 
 
-def _check_plan_matches_transformers(plan_dir, hf_model):
+def _check_plan_matches_transformers(plan_dir, hf_model, prompts=PROMPTS):
+    """Greedy tokens equal transformers' generate; the logits of the prefill's last row and
+    of the last decode step within 1e-3 of transformers' forward over the whole sequence."""
     plan = load_plan(plan_dir)
     with Engine.from_plan(plan) as eng:
-        got = eng.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
+        got = eng.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0,
                                                    ignore_eos=True))
     ex = Executor.from_plan(load_plan(plan_dir))
-    for i, (prompt, res) in enumerate(zip(PROMPTS, got)):
+    for i, (prompt, res) in enumerate(zip(prompts, got)):
         x = torch.tensor([prompt])
         with torch.no_grad():
             ref = hf_model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
@@ -62,7 +66,8 @@ def _check_plan_matches_transformers(plan_dir, hf_model):
             ref_logits = hf_model(full[None]).logits[0]            # [L, vocab]
         assert list(res.token_ids) == ref[0, len(prompt):].tolist(), f"prompt {i}"
         rows = [len(prompt) - 1, len(full) - 1]                  # prefill, last decode step
-        inp = ModelInput.build([full.tolist()], [0], [[1, 2, 3]], 16, logits_indices=rows)
+        blocks = list(range(1, len(full) // 16 + 2))              # 16 tokens a block
+        inp = ModelInput.build([full.tolist()], [0], [blocks], 16, logits_indices=rows)
         with torch.inference_mode():
             ours = ex.execute(inp)
         assert ref_logits[rows].std() > 0.1, "logits too flat for a 1e-3 check to mean anything"

@@ -45,7 +45,8 @@ def _hf_model(family: str, cfg_kw: dict, seed: int = 0):
     torch.manual_seed(seed)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[family]
+           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+           "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[family]
     model = cls[1](cls[0](**TINY, **cfg_kw)).eval()
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: make mapping errors show
         for name, p in model.named_parameters():
@@ -160,6 +161,8 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     if family in ("qwen3", "qwen3moe"):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
+    if family == "phi3":
+        _write_phi3_rope(w, hf_model)
     tok = json.loads(byte_level(VOCAB, 1, 2))
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")
@@ -176,7 +179,8 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}  # phi3: fused
     for name, t in hf_model.state_dict().items():
         if ".mlp.experts." in name or name.endswith(".mlp.gate.weight"):
             continue                                          # _add_experts
@@ -202,6 +206,20 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _write_phi3_rope(w, hf_model):
+    """llama.cpp's phi3 keys: rotary dims, the window, LongRoPE's factors as tensors."""
+    cfg, rp = hf_model.config, hf_model.config.rope_parameters
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(int(head_dim * rp.get("partial_rotary_factor", 1.0)))
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    if rp.get("rope_type") == "longrope":
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        w.add_rope_scaling_attn_factors(hf_model.model.rotary_emb.attention_scaling)
+        w.add_tensor("rope_factors_long.weight", np.array(rp["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rp["short_factor"], np.float32))
 
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen2", False),

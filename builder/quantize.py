@@ -238,10 +238,6 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     head = _lm_head(model, keep)
     all_q = dict(linears, **({"output": head} if head is not None else {}))
     experts = _experts(model, keep)
-    if experts and activations == "int8":   # before anything is swapped
-        msg = (f"int8 activations are not implemented for mixture-of-experts layers "
-               f"({next(iter(experts))}); use activations: float")
-        raise FieldError("activations", msg, msg)
     if experts and device != "cpu" and weights not in ("fp32", "bf16"):
         msg = (f"{weights} experts ({next(iter(experts))}) have no GPU kernel (the Triton "
                "experts pass reads float32 / bfloat16 weights); use bf16, or a CPU target")
@@ -306,12 +302,13 @@ def _experts_k(experts: dict[str, Experts]) -> dict[str, _InputDim]:
 def _swap_experts(model: nn.Module, experts: dict[str, Experts], scheme: QuantScheme,
                   done: "_Swapped") -> None:
     """Replace each float Experts by QuantExperts in the linears' weight format (round to
-    nearest; weight-only: int4 in the [N, K/2] layout at the plan's group size). fp32 leaves
-    them as they are (quantize_model refuses int8 activations: no W8A8/W4A8 experts op)."""
+    nearest; int4 in the [N, K/2] layout at the plan's group size). With int8 activations:
+    W8A8 int8 experts, W4A8 int4 experts at group 32 (no SmoothQuant scales). fp32 leaves
+    them as they are."""
     if scheme.weights == "fp32" or not experts:
         return
     for name, e in experts.items():
-        q = QuantExperts.from_experts(e, scheme.weights, scheme.group_size)
+        q = QuantExperts.from_experts(e, scheme.weights, scheme.group_size, scheme.activations)
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, q)
         done.quantized.append(name)

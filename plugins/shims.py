@@ -15,7 +15,7 @@ import torch
 # the ops with C++ CPU kernels (and shims) in the plugins' kernel libraries
 CPU_OPS = ("linear_int8", "linear_int4", "linear_fp8", "linear_bf16", "linear_fp32",
            "linear_int8_a8", "linear_int4_a8", "linear_int4_rows16", "paged_attention",
-           "moe_experts", "moe_experts_quant")
+           "moe_experts", "moe_experts_quant", "moe_experts_a8")
 
 _ARG_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*",
               "int": "int64_t", "float": "double"}

@@ -57,34 +57,43 @@ class QuantExperts(nn.Module):
     columns, or bf16 (kiln::moe_experts on bfloat16 weights)."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, w13: formats.QuantizedWeight,
-                 w2: formats.QuantizedWeight):
+                 w2: formats.QuantizedWeight, activations: str = "float"):
         super().__init__()
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
         self.scheme, self.group_size = w13.scheme, w13.group_size or 0
+        if activations == "int8" and not (self.scheme == "int8" or (
+                self.scheme == "int4" and self.group_size == 32)):
+            raise ValueError(f"int8 activations need int8 experts (W8A8) or int4 experts at "
+                             f"group_size 32 (W4A8), not {self.scheme} {self.group_size or ''}")
+        self.activations = activations
         for name, qw in (("w13", w13), ("w2", w2)):
             self.register_buffer(f"{name}_qweight", qw.qweight)
             self.register_buffer(f"{name}_scales", qw.scales)
             self.register_buffer(f"{name}_zeros", qw.zeros)
 
     @classmethod
-    def from_experts(cls, experts: Experts, scheme: str, group_size: Optional[int] = None
-                     ) -> "QuantExperts":
-        """Quantize float experts (round to nearest) to one of SCHEMES."""
+    def from_experts(cls, experts: Experts, scheme: str, group_size: Optional[int] = None,
+                     activations: str = "float") -> "QuantExperts":
+        """Quantize float experts (round to nearest) to one of SCHEMES; activations "int8":
+        W8A8 (int8) or W4A8 (int4 at group 32)."""
         if scheme not in SCHEMES:
             raise ValueError(f"experts cannot be stored {scheme!r}; allowed: {SCHEMES}")
         q = [formats.quantize(w.detach().float(), scheme, group_size)
              for w in (experts.w13, experts.w2)]
-        return cls(experts.num_experts, experts.hidden, experts.inter, *q)
+        return cls(experts.num_experts, experts.hidden, experts.inter, *q, activations)
 
     def forward(self, x, topk_ids, topk_weights):
         e = self.num_experts
         w13, w2 = _view(self.w13_qweight, e), _view(self.w2_qweight, e)
         if self.scheme == "bf16":
             return float_experts_op(x.device)(x, topk_ids, topk_weights, w13, w2)
-        return torch.ops.kiln.moe_experts_quant(
+        op = (torch.ops.kiln.moe_experts_a8 if self.activations == "int8"
+              else torch.ops.kiln.moe_experts_quant)
+        return op(
             x, topk_ids, topk_weights, w13, _view(self.w13_scales, e), _view(self.w13_zeros, e),
             w2, _view(self.w2_scales, e), _view(self.w2_zeros, e), self.group_size)
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.group_size else ""
-        return f"{self.num_experts} experts, {self.hidden} <-> {self.inter}, {self.scheme}{g}"
+        a = ", int8 activations" if self.activations == "int8" else ""
+        return f"{self.num_experts} experts, {self.hidden} <-> {self.inter}, {self.scheme}{g}{a}"

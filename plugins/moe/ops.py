@@ -14,7 +14,8 @@ dot product in a fixed order, the k contributions summed in j order): batch-inva
 
 kiln::moe_experts_quant is the same pass over packed experts (int8, fp8, int4: the quant
 plugin's weight-only formats): each weight row is decoded once per step and multiplied in
-float32 with every token routed to it.
+float32 with every token routed to it. kiln::moe_experts_a8 takes the same int8 / int4
+experts with int8 activations (W8A8 per row, W4A8 per group of 32): integer dot products.
 
 The references are registered for CompositeExplicitAutograd (any device); the compiled CPU
 kernels (csrc/moe_experts_cpu.cpp, plugins.moe.kernels) are registered for CPU and take
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.plugins.quant import formats
+from kiln.plugins.quant import ops as quant_ops
 
 SCHEMA = ("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, "
           "Tensor w2) -> Tensor")
@@ -36,9 +38,14 @@ QUANT_SCHEMA = ("moe_experts_quant(Tensor x, Tensor topk_ids, Tensor topk_weight
                 "Tensor w13, Tensor w13_scales, Tensor? w13_zeros, Tensor w2, Tensor w2_scales, "
                 "Tensor? w2_zeros, int group_size) -> Tensor")
 
+# The same packed int8 / int4 experts with int8 activations quantized at run time: W8A8
+# (int8 weights, x per row) and W4A8 (int4 at group_size 32, x per group of 32).
+A8_SCHEMA = QUANT_SCHEMA.replace("moe_experts_quant", "moe_experts_a8")
+
 _lib = torch.library.Library("kiln", "FRAGMENT")
 _lib.define(SCHEMA)
 _lib.define(QUANT_SCHEMA)
+_lib.define(A8_SCHEMA)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,17 +76,22 @@ def check_args(x, topk_ids, topk_weights, w13, w2) -> None:
 def moe_experts_reference(x, topk_ids, topk_weights, w13, w2) -> torch.Tensor:
     """Pure-torch experts pass: tokens grouped by expert, each selected expert once."""
     check_args(x, topk_ids, topk_weights, w13, w2)
+    return _experts_loop(x, topk_ids, topk_weights, w2.shape[2],
+                         lambda e, xs: xs @ w13[e].float().T, lambda e, a: a @ w2[e].float().T)
+
+
+def _experts_loop(x, topk_ids, topk_weights, inter: int, up, down) -> torch.Tensor:
+    """The experts pass with each expert's projections given: up(e, xs [n, H]) -> [n, 2I],
+    down(e, a [n, I]) -> [n, H]."""
     T, k = topk_ids.shape
-    inter = w2.shape[2]
     xf = x.float()
     contrib = xf.new_zeros((T, k, x.shape[1]))                      # [T, k, H]
     flat = topk_ids.reshape(-1)
     for e in torch.unique(flat).tolist():
         rows = (flat == e).nonzero().squeeze(1)                      # (t, j) pairs, flattened
-        t = rows // k
-        h = xf[t] @ w13[e].float().T                                 # [n, 2I]
+        h = up(e, xf[rows // k])                                     # [n, 2I]
         a = F.silu(h[:, :inter]) * h[:, inter:]
-        contrib.view(T * k, -1)[rows] = a @ w2[e].float().T          # [n, H]
+        contrib.view(T * k, -1)[rows] = down(e, a)                   # [n, H]
     out = contrib[:, 0] * topk_weights[:, :1].float()
     for j in range(1, k):                                            # in j order
         out = out + contrib[:, j] * topk_weights[:, j:j + 1].float()
@@ -110,8 +122,39 @@ def moe_experts_quant_reference(x, topk_ids, topk_weights, w13, w13_scales, w13_
                                  dequantize_experts(w2, w2_scales, w2_zeros, group_size))
 
 
+def linear_a8_reference(xs, qweight, scales, zeros) -> torch.Tensor:
+    """One expert's W8A8 (int8 qweight [N, K]) or W4A8 (int4 [N, K/2], group 32) product."""
+    if qweight.dtype == torch.int8:
+        return quant_ops.linear_int8_a8_reference(xs, qweight, scales)
+    xq, sx = quant_ops.quantize_activation_groups(xs)                 # [n, G, 32], [n, G]
+    q = formats.unpack_int4(qweight).double().view(qweight.shape[0], -1, 32)   # [N, G, 32]
+    acc = torch.einsum("mgk,ngk->mng", xq.double(), q).float()         # exact integer sums
+    sums = xq.sum(dim=-1)[:, None, :]                                  # [n, 1, G]
+    return ((sx[:, None, :] * scales.float()[None]) * (acc - zeros.float()[None] * sums)).sum(-1)
+
+
+def moe_experts_a8_reference(x, topk_ids, topk_weights, w13, w13_scales, w13_zeros, w2,
+                             w2_scales, w2_zeros, group_size: int) -> torch.Tensor:
+    """kiln::moe_experts_a8: each expert's projections as W8A8 / W4A8 products."""
+    if w13.dtype == torch.uint8 and group_size != 32:
+        raise ValueError(f"kiln::moe_experts_a8: int4 experts need group_size 32 (W4A8), "
+                         f"got {group_size}")
+    z = lambda t, e: None if t is None else t[e]  # noqa: E731
+    return _experts_loop(
+        x, topk_ids, topk_weights, w13.shape[1] // 2,
+        lambda e, xs: linear_a8_reference(xs, w13[e], w13_scales[e], z(w13_zeros, e)),
+        lambda e, a: linear_a8_reference(a, w2[e], w2_scales[e], z(w2_zeros, e)))
+
+
 _lib.impl("moe_experts", moe_experts_reference, "CompositeExplicitAutograd")
 _lib.impl("moe_experts_quant", moe_experts_quant_reference, "CompositeExplicitAutograd")
+_lib.impl("moe_experts_a8", moe_experts_a8_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("kiln::moe_experts_a8")
+def _moe_experts_a8_fake(x, topk_ids, topk_weights, w13, w13_scales, w13_zeros, w2,
+                         w2_scales, w2_zeros, group_size):
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("kiln::moe_experts_quant")

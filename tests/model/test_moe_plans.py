@@ -127,25 +127,20 @@ def test_a_misshapen_expert_is_refused_naming_it(tmp_path):
         load_model(open_checkpoint(ModelSpec(source=str(d))))
 
 
-@pytest.mark.parametrize("family,weights", [("mixtral", "int8"), ("qwen3_moe", "int4")])
-def test_quantized_moe_plan_passes_its_gate(family, weights, tmp_path, digest_cache):
+@pytest.mark.parametrize("family,weights,activations", [
+    ("mixtral", "int8", "fp32"), ("qwen3_moe", "int4", "fp32"),
+    ("mixtral", "int8", "int8"), ("qwen3_moe", "int4", "int8")],    # W8A8, W4A8
+    ids=["mixtral-int8", "qwen3_moe-int4", "mixtral-w8a8", "qwen3_moe-w4a8"])
+def test_quantized_moe_plan_passes_its_gate(family, weights, activations, tmp_path,
+                                            digest_cache):
     hf_dir = _saved(tmp_path, family, seed=5)
-    plan = _build(tmp_path, hf_dir, f"{family}-{weights}", {"weights": weights},
-                  backend="eager")
+    plan = _build(tmp_path, hf_dir, f"{family}-{weights}-{activations}",
+                  {"weights": weights, "activations": activations}, backend="eager")
     m = json.loads((plan / "plan.json").read_text())
     q, acc = m["precision"]["quantization"], m["accuracy"]
     experts = [n for n in q["quantized"] if n.endswith("feed_forward.experts")]
     assert len(experts) == len(m["model"]["config"]["sparse_layers"])
     assert acc["passed"] and acc["ppl_increase"] <= acc["max_ppl_increase"]
-
-
-def test_int8_activations_are_refused_for_experts(tmp_path):
-    from kiln.builder.spec import SpecError
-
-    hf_dir = _saved(tmp_path, "mixtral")
-    with pytest.raises(SpecError, match="int8 activations are not implemented for mixture"):
-        _build(tmp_path, hf_dir, "mixtral-w8a8", {"weights": "int8", "activations": "int8"},
-               backend="eager")
 
 
 def test_quantized_experts_are_refused_for_a_gpu_target():

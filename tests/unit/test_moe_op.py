@@ -125,3 +125,41 @@ def test_quantized_experts_match_naive_loop_on_their_dequantized_weights(cpu_ker
         alone = torch.ops.kiln.moe_experts_quant(x[t:t + 1], ids[t:t + 1], weights[t:t + 1],
                                                  *args[3:])
         assert torch.equal(alone[0], out[t]), (scheme, t)
+
+
+def naive_a8(x, ids, weights, w13, w2, group):
+    """Per token and expert: x (then the activation) quantized to int8 per `group` values
+    (None: per row), each product from the dequantized weights in float64."""
+    def q(v):
+        g = v.shape[-1] if group is None else group
+        vg = v.float().reshape(-1, g)
+        s = vg.abs().amax(-1, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return (torch.round(vg / s).clamp(-127, 127) * s).reshape(v.shape).double()
+
+    inter = w2.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].double() @ q(x[t])
+            a = (F.silu(h[:inter]) * h[inter:]).float()
+            out[t] += float(weights[t, j]) * (w2[e].double() @ q(a))
+    return out
+
+
+@pytest.mark.parametrize("scheme,group", [("int8", None), ("int4", 32)], ids=["w8a8", "w4a8"])
+def test_int8_activation_experts_match_naive_loop(cpu_kernel, scheme, group):
+    x, ids, weights, w13, w2 = case(T=32, E=8, k=2, H=64, inter=32)
+    (q13, s13, z13, d13), (q2, s2, z2, d2) = _packed(w13, w2, scheme, group)
+    want = naive_a8(x, ids, weights, d13, d2, group)
+    args = (x, ids, weights, q13, s13, z13, q2, s2, z2, group or 0)
+    ref = ops.moe_experts_a8_reference(*args)
+    out = torch.ops.kiln.moe_experts_a8(*args)
+    scale = want.abs().max()
+    assert (ref.double() - want).abs().max() < 1e-4 * scale
+    assert (out.double() - ref.double()).abs().max() < 1e-5 * scale
+    for t in (0, 13):
+        alone = torch.ops.kiln.moe_experts_a8(x[t:t + 1], ids[t:t + 1], weights[t:t + 1],
+                                              *args[3:])
+        assert torch.equal(alone[0], out[t]), (scheme, t)

@@ -5,6 +5,8 @@
 //   moe_experts:       w13 [E, 2I, H], w2 [E, H, I]: float32 | bfloat16 (both the same)
 //   moe_experts_quant: int8 | fp8 codes [E, N, K] with scales [E, N], or int4 [E, N, K/2]
 //                      with scales and zeros [E, N, K/G] (plugins/quant/formats.py)
+//   moe_experts_a8:    int8 (W8A8) or int4 at group 32 (W4A8) experts, activations quantized
+//                      to int8 at run time, integer dot products
 //
 // The (token, j) pairs are grouped by expert (counting sort, tokens in order). For each
 // selected expert, one pass over its weights: each weight row is loaded once and dotted with
@@ -20,6 +22,7 @@
 
 #include <c10/util/Float8_e4m3fn.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -53,11 +56,13 @@ inline float dot(const float* w, const float* a, int64_t n) {
 // Row decoders: row(r, buf) -> the K float32 weights of row r of one expert's matrix (a
 // pointer into the weights, or `buf` filled), exactly the values formats.dequantize_* gives.
 struct F32Rows {
+  static constexpr bool kA8 = false;
   const float* w;
   int64_t K;
   const float* row(int64_t r, float*) const { return w + r * K; }
 };
 struct Bf16Rows {
+  static constexpr bool kA8 = false;
   const at::BFloat16* w;
   int64_t K;
   const float* row(int64_t r, float* buf) const {
@@ -67,6 +72,7 @@ struct Bf16Rows {
 };
 template <typename Q>   // int8 or float8_e4m3fn codes, one scale per row
 struct ScaledRows {
+  static constexpr bool kA8 = false;
   const Q* w;
   const float* scales;
   int64_t K;
@@ -77,6 +83,7 @@ struct ScaledRows {
   }
 };
 struct Int4Rows {        // formats.py int4: blocks of 32 as 16 bytes (low nibbles: the first 16)
+  static constexpr bool kA8 = false;
   const uint8_t* w;
   const float* scales;
   const float* zeros;
@@ -96,18 +103,96 @@ struct Int4Rows {        // formats.py int4: blocks of 32 as 16 bytes (low nibbl
   }
 };
 
+// Activations quantized at run time (W8A8, W4A8): int8 codes [n, K] and a float scale per
+// group of G along K (G = K: per row), symmetric on max|x| / 127, rounded half to even
+// (plugins/quant/ops.py quantize_activations / quantize_activation_groups).
+struct QuantActs {
+  std::vector<int8_t> codes;
+  std::vector<float> scales;   // [n, K / G]
+  int64_t K, G;
+};
+
+QuantActs quantize_acts(const float* in, int64_t n, int64_t K, int64_t G) {
+  QuantActs a{std::vector<int8_t>(n * K), std::vector<float>(n * (K / G)), K, G};
+  for (int64_t q = 0; q < n * (K / G); ++q) {
+    const float* x = in + q * G;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < G; ++i) amax = std::max(amax, std::fabs(x[i]));
+    float sc = amax / 127.0f;
+    if (!(sc > 0.0f)) sc = 1.0f;
+    a.scales[q] = sc;
+    for (int64_t i = 0; i < G; ++i)
+      a.codes[q * G + i] =
+          static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, std::nearbyint(x[i] / sc))));
+  }
+  return a;
+}
+
+// W8A8: int8 weight rows (one scale each) times per-row int8 activations, exact int32 sums.
+struct Int8A8Rows {
+  static constexpr bool kA8 = true;
+  const int8_t* w;
+  const float* scales;
+  int64_t K;
+  int64_t act_group() const { return K; }
+  float dot_a8(int64_t r, const QuantActs& a, int64_t g) const {
+    const int8_t* wr = w + r * K;
+    const int8_t* c = a.codes.data() + g * K;
+    int32_t acc = 0;
+    for (int64_t i = 0; i < K; ++i) acc += int32_t(c[i]) * int32_t(wr[i]);
+    return float(acc) * (a.scales[g] * scales[r]);
+  }
+};
+
+// W4A8: formats.py int4 rows at group 32 times int8 activations per group of 32:
+// per group, sx * s * (sum(codes * q) - zero * sum(codes)), summed over the groups in order.
+struct Int4A8Rows {
+  static constexpr bool kA8 = true;
+  const uint8_t* w;
+  const float* scales;
+  const float* zeros;
+  int64_t K;
+  int64_t act_group() const { return 32; }
+  float dot_a8(int64_t r, const QuantActs& a, int64_t g) const {
+    const uint8_t* q = w + r * (K / 2);
+    const int8_t* c = a.codes.data() + g * K;
+    const int64_t nb = K / 32;
+    float y = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t acc = 0, sum = 0;
+      for (int j = 0; j < 16; ++j) {
+        const int32_t lo = c[32 * b + j], hi = c[32 * b + 16 + j];
+        acc += lo * int32_t(q[16 * b + j] & 0x0F) + hi * int32_t(q[16 * b + j] >> 4);
+        sum += lo + hi;
+      }
+      const int64_t sg = r * nb + b;
+      y += (a.scales[g * nb + b] * scales[sg]) * (float(acc) - zeros[sg] * float(sum));
+    }
+    return y;
+  }
+};
+
 // out[g, r] = w[r] . in[g] for the n rows of `in` (each K long) and the `rows` rows of one
-// expert's matrix (rows r0.. of the decoder); each weight row decoded once for all of them.
+// expert's matrix (rows r0.. of the decoder); each weight row decoded once for all of them
+// (W8A8 / W4A8 rows: `in` quantized once, then integer dot products).
 template <typename Rows>
 void rows_times_group(const Rows& w, int64_t r0, int64_t rows, int64_t K, const float* in,
                       int64_t n, float* out) {
-  kiln::parallel_chunks(rows, 16, [&](int64_t a, int64_t b) {
-    std::vector<float> buf(K);
-    for (int64_t r = a; r < b; ++r) {
-      const float* wr = w.row(r0 + r, buf.data());
-      for (int64_t g = 0; g < n; ++g) out[g * rows + r] = dot(wr, in + g * K, K);
-    }
-  });
+  if constexpr (Rows::kA8) {
+    const QuantActs a = quantize_acts(in, n, K, w.act_group());
+    kiln::parallel_chunks(rows, 16, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r)
+        for (int64_t g = 0; g < n; ++g) out[g * rows + r] = w.dot_a8(r0 + r, a, g);
+    });
+  } else {
+    kiln::parallel_chunks(rows, 16, [&](int64_t lo, int64_t hi) {
+      std::vector<float> buf(K);
+      for (int64_t r = lo; r < hi; ++r) {
+        const float* wr = w.row(r0 + r, buf.data());
+        for (int64_t g = 0; g < n; ++g) out[g * rows + r] = dot(wr, in + g * K, K);
+      }
+    });
+  }
 }
 
 struct Groups {              // the (token, j) pairs of each expert, flattened t * k + j
@@ -267,11 +352,43 @@ at::Tensor moe_experts_quant(const at::Tensor& x, const at::Tensor& topk_ids,
   }
 }
 
+at::Tensor moe_experts_a8(const at::Tensor& x, const at::Tensor& topk_ids,
+                          const at::Tensor& topk_weights, const at::Tensor& w13,
+                          const at::Tensor& s13, const std::optional<at::Tensor>& z13,
+                          const at::Tensor& w2, const at::Tensor& s2,
+                          const std::optional<at::Tensor>& z2, int64_t group_size) {
+  const char* op = "kiln::moe_experts_a8";
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() ==
+                  w2.scalar_type(), op, ": x [T, H], w13 [E, 2I, ...], w2 [E, H, ...] of one dtype");
+  const int64_t H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H, op, ": w13 ", w13.sizes(), " and w2 ",
+              w2.sizes(), " do not fit x ", x.sizes());
+  const Routed r = prepare(op, x, topk_ids, topk_weights, E);
+  const at::Tensor q13 = w13.contiguous(), q2 = w2.contiguous();
+  const at::Tensor f13 = s13.to(at::kFloat).contiguous(), f2 = s2.to(at::kFloat).contiguous();
+  if (w13.scalar_type() == at::kChar) {
+    TORCH_CHECK(w13.size(2) == H && w2.size(2) == I, op, ": int8 experts [E, N, K] expected");
+    return experts_pass(r, Int8A8Rows{q13.data_ptr<int8_t>(), f13.data_ptr<float>(), H},
+                        Int8A8Rows{q2.data_ptr<int8_t>(), f2.data_ptr<float>(), I}, E, I,
+                        x.scalar_type());
+  }
+  TORCH_CHECK(w13.scalar_type() == at::kByte && z13.has_value() && z2.has_value() &&
+                  group_size == 32 && H % 32 == 0 && I % 32 == 0 && w13.size(2) == H / 2 &&
+                  w2.size(2) == I / 2,
+              op, ": int8 experts, or int4 experts with zeros at group_size 32 (W4A8)");
+  const at::Tensor zz13 = z13->to(at::kFloat).contiguous(), zz2 = z2->to(at::kFloat).contiguous();
+  return experts_pass(
+      r, Int4A8Rows{q13.data_ptr<uint8_t>(), f13.data_ptr<float>(), zz13.data_ptr<float>(), H},
+      Int4A8Rows{q2.data_ptr<uint8_t>(), f2.data_ptr<float>(), zz2.data_ptr<float>(), I}, E, I,
+      x.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("moe_experts", &moe_experts);
   m.impl("moe_experts_quant", &moe_experts_quant);
+  m.impl("moe_experts_a8", &moe_experts_a8);
 }
 
 // ---- AOTInductor C shim (plugins/csrc/aoti_shim.h) --------------------------------------------
@@ -298,6 +415,22 @@ KILN_AOTI_SHIM aoti_torch_cpu_moe_experts_quant(
     using kiln_shim::T;
     static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, T, Opt, T, T, Opt, int64_t)>(
         "kiln::moe_experts_quant");
+    *ret0 = kiln_shim::result(op.call(
+        kiln_shim::tensor(x), kiln_shim::tensor(ids), kiln_shim::tensor(weights),
+        kiln_shim::tensor(w13), kiln_shim::tensor(s13), kiln_shim::optional(z13),
+        kiln_shim::tensor(w2), kiln_shim::tensor(s2), kiln_shim::optional(z2), group_size));
+  });
+}
+
+KILN_AOTI_SHIM aoti_torch_cpu_moe_experts_a8(
+    AtenTensorHandle x, AtenTensorHandle ids, AtenTensorHandle weights, AtenTensorHandle w13,
+    AtenTensorHandle s13, AtenTensorHandle* z13, AtenTensorHandle w2, AtenTensorHandle s2,
+    AtenTensorHandle* z2, int64_t group_size, AtenTensorHandle* ret0) {
+  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
+    using kiln_shim::Opt;
+    using kiln_shim::T;
+    static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, T, Opt, T, T, Opt, int64_t)>(
+        "kiln::moe_experts_a8");
     *ret0 = kiln_shim::result(op.call(
         kiln_shim::tensor(x), kiln_shim::tensor(ids), kiln_shim::tensor(weights),
         kiln_shim::tensor(w13), kiln_shim::tensor(s13), kiln_shim::optional(z13),

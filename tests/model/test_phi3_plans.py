@@ -1,4 +1,4 @@
-"""Tiny random Phi-3s made with transformers' own classes (one plain with a sliding_window,
+"""Tiny random Phi-3s made with transformers' own classes (one plain with a sliding window,
 one Phi-4-mini-like with LongRoPE and partial rotary), built into plans from their HF
 directories and from GGUFs written from them, run by the runtime: greedy tokens equal
 transformers', fp32 logits within 1e-3; an int8 plan passes its accuracy gate.
@@ -20,6 +20,7 @@ from tests.model.test_sources import _hf_model, _write_gguf, _write_tokenizer
 pytestmark = pytest.mark.model
 transformers = pytest.importorskip("transformers")
 
+WINDOW = 16     # Phi-3-mini-4k's is 2047
 ORIGINAL = 64   # LongRoPE's original_max_position_embeddings in the tiny config
 LONG_PROMPTS = [[(7 * i + 13 * j) % 300 + 3 for j in range(ORIGINAL + 1 + 5 * i)]
                 for i in range(8)]   # 65..100 tokens
@@ -36,10 +37,11 @@ def _longrope_kw() -> dict:
 
 @pytest.fixture(scope="module")
 def phi3(tmp_path_factory):
-    """(HF dir, GGUF path, transformers model) of a tiny Phi-3 without rope scaling."""
+    """(HF dir, GGUF path, transformers model) of a tiny Phi-3 without rope scaling, its
+    sliding window (every layer) shorter than most prompts with their answers."""
     root = tmp_path_factory.mktemp("phi3")
     model = _hf_model("phi3", dict(tie_word_embeddings=False, pad_token_id=0,
-                                   sliding_window=256), seed=5)
+                                   sliding_window=WINDOW), seed=5)
     model.save_pretrained(root / "hf")
     _write_tokenizer(root / "hf")
     _write_gguf(root / "tiny-phi3.gguf", "phi3", model)
@@ -65,14 +67,14 @@ def test_phi3_hf_fp32_aoti_plan_matches_transformers(phi3, tmp_path, digest_cach
     hf_dir, _, hf_model = phi3
     plan = _build(tmp_path, hf_dir, "phi3-fp32", {"weights": "fp32"}, backend="aoti")
     cfg = _config(plan)
-    assert cfg["family"] == "phi3" and cfg["sliding_window"] == 256 and cfg["longrope"] is None
+    assert cfg["family"] == "phi3" and cfg["sliding_window"] == WINDOW and cfg["longrope"] is None
     _check_plan_matches_transformers(plan, hf_model, PROMPTS)
 
 
 def test_phi3_gguf_plan_matches_transformers(phi3, tmp_path, digest_cache):
     _, gguf_path, hf_model = phi3
     plan = _build(tmp_path, gguf_path, "phi3-gguf", {"weights": "fp32"}, backend="eager")
-    assert _config(plan)["sliding_window"] == 256
+    assert _config(plan)["sliding_window"] == WINDOW
     _check_plan_matches_transformers(plan, hf_model, PROMPTS)
 
 

@@ -127,20 +127,26 @@ def test_a_misshapen_expert_is_refused_naming_it(tmp_path):
         load_model(open_checkpoint(ModelSpec(source=str(d))))
 
 
-@pytest.mark.parametrize("family,weights,activations", [
-    ("mixtral", "int8", "fp32"), ("qwen3_moe", "int4", "fp32"),
-    ("mixtral", "int8", "int8"), ("qwen3_moe", "int4", "int8")],    # W8A8, W4A8
-    ids=["mixtral-int8", "qwen3_moe-int4", "mixtral-w8a8", "qwen3_moe-w4a8"])
-def test_quantized_moe_plan_passes_its_gate(family, weights, activations, tmp_path,
+@pytest.mark.parametrize("family,weights,activations,kv", [
+    ("mixtral", "int8", "fp32", "fp32"), ("qwen3_moe", "int4", "fp32", "fp32"),
+    ("mixtral", "int8", "int8", "fp32"), ("qwen3_moe", "int4", "int8", "fp32"),  # W8A8, W4A8
+    ("mixtral", "bf16", "fp32", "int8"), ("qwen3_moe", "fp8", "fp32", "fp8")],
+    ids=["mixtral-int8", "qwen3_moe-int4", "mixtral-w8a8", "qwen3_moe-w4a8",
+         "mixtral-bf16-kv_int8", "qwen3_moe-fp8-kv_fp8"])
+def test_quantized_moe_plan_passes_its_gate(family, weights, activations, kv, tmp_path,
                                             digest_cache):
     hf_dir = _saved(tmp_path, family, seed=5)
-    plan = _build(tmp_path, hf_dir, f"{family}-{weights}-{activations}",
-                  {"weights": weights, "activations": activations}, backend="eager")
+    plan = _build(tmp_path, hf_dir, f"{family}-{weights}-{activations}-{kv}",
+                  {"weights": weights, "activations": activations, "kv_cache": kv},
+                  backend="eager")
     m = json.loads((plan / "plan.json").read_text())
     q, acc = m["precision"]["quantization"], m["accuracy"]
     experts = [n for n in q["quantized"] if n.endswith("feed_forward.experts")]
     assert len(experts) == len(m["model"]["config"]["sparse_layers"])
+    assert m["precision"]["kv_cache"] == kv
     assert acc["passed"] and acc["ppl_increase"] <= acc["max_ppl_increase"]
+    print(f"{family} {weights} act={activations} kv={kv}: ppl +{acc['ppl_increase']:.4f} "
+          f"(limit {acc['max_ppl_increase']})")
 
 
 def test_quantized_experts_are_refused_for_a_gpu_target():

@@ -33,7 +33,9 @@ def _cuda(batch):
     (torch.bfloat16, torch.float8_e4m3fn, 2e-2),
 ])
 @pytest.mark.parametrize("H,KVH,D,bs", [(9, 3, 64, 16), (8, 2, 128, 32), (6, 2, 36, 8)])
-def test_paged_attention_triton_matches_reference(dtype, cache, tol, H, KVH, D, bs):
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (33, 2.0)], ids=["global", "window-cap"])
+def test_paged_attention_triton_matches_reference(dtype, cache, tol, H, KVH, D, bs, window,
+                                                  softcap):
     from kiln.plugins.paged_kv import triton_attention  # noqa: F401
     from kiln.plugins.paged_kv.ops import paged_attention_reference
     from tests.helpers import MIXED, make_batch
@@ -41,6 +43,7 @@ def test_paged_attention_triton_matches_reference(dtype, cache, tol, H, KVH, D, 
     if cache == torch.float8_e4m3fn and _sm() < 89:
         pytest.skip("E4M3 needs sm_89")
     b = _cuda(make_batch(MIXED, H, KVH, D, bs, dtype=dtype, cache_dtype=cache, seed=D + bs))
+    b.window, b.softcap = window, softcap
     ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
     ref = paged_attention_reference(*b.args(ref_k, ref_v))
     out = torch.ops.kiln.paged_attention_triton(*b.args())
@@ -96,16 +99,16 @@ def test_aoti_compiles_triton_ops_and_writes_pools_in_place(tmp_path):
                          cache_dtype=torch.bfloat16, max_seq_len=128))
     T, B = Dim("T", min=1, max=256), Dim("B", min=1, max=16)
     NB, MB = Dim("num_blocks", min=2, max=1 << 20), Dim("max_blocks", min=1, max=64)
-    ep = torch.export.export(model, b.args()[:-1], dynamic_shapes=(
+    ep = torch.export.export(model, b.args()[:9], dynamic_shapes=(
         {0: T}, {0: T}, {0: T}, {0: NB}, {0: NB}, {0: T}, {0: B, 1: MB}, {0: B}, {0: B + 1}))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "kiln.paged_attention_triton.default" in targets
     pkg = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "l.pt2"))
     runner = torch._inductor.aoti_load_package(pkg)
     ref_k, ref_v = b.k_cache.clone(), b.v_cache.clone()
-    ref = model(*b.args(ref_k, ref_v)[:-1])
+    ref = model(*b.args(ref_k, ref_v)[:9])
     ptr = b.k_cache.data_ptr()
-    out = runner(*b.args()[:-1])
+    out = runner(*b.args()[:9])
     assert b.k_cache.data_ptr() == ptr
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
     assert torch.equal(b.k_cache, ref_k) and torch.equal(b.v_cache, ref_v)

@@ -54,7 +54,7 @@ class Layer(torch.nn.Module):
 b = make_batch([(3, 5), (10, 1)], 9, 3, 64, 16, cache_dtype=torch.int8, max_seq_len=128)
 T, B = Dim("T", min=1, max=512), Dim("B", min=1, max=32)
 NB, MB = Dim("num_blocks", min=2, max=1 << 20), Dim("max_blocks", min=1, max=128)
-ep = torch.export.export(Layer(), b.args()[:-1], dynamic_shapes=(
+ep = torch.export.export(Layer(), b.args()[:9], dynamic_shapes=(
     {0: T}, {0: T}, {0: T}, {0: NB}, {0: NB}, {0: T}, {0: B, 1: MB}, {0: B}, {0: B + 1}))
 targets = sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function"})
 ep = ep.run_decompositions()

@@ -305,20 +305,36 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids,
                       Bf16Rows{a2.data_ptr<at::BFloat16>(), I}, E, I, x.scalar_type());
 }
 
+// The checked arguments both packed-experts ops share: codes contiguous, scales float32.
+struct PackedArgs {
+  Routed r;
+  at::Tensor q13, q2, s13, s2;
+  int64_t H, E, I;
+};
+
+PackedArgs packed_args(const char* op, const at::Tensor& x, const at::Tensor& topk_ids,
+                       const at::Tensor& topk_weights, const at::Tensor& w13,
+                       const at::Tensor& s13, const at::Tensor& w2, const at::Tensor& s2) {
+  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() ==
+                  w2.scalar_type(), op, ": x [T, H], w13 [E, 2I, ...], w2 [E, H, ...] of one dtype");
+  const int64_t H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
+  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H, op, ": w13 ", w13.sizes(), " and w2 ",
+              w2.sizes(), " do not fit x ", x.sizes());
+  return PackedArgs{prepare(op, x, topk_ids, topk_weights, E), w13.contiguous(),
+                    w2.contiguous(), s13.to(at::kFloat).contiguous(),
+                    s2.to(at::kFloat).contiguous(), H, E, I};
+}
+
 at::Tensor moe_experts_quant(const at::Tensor& x, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& w13,
                              const at::Tensor& s13, const std::optional<at::Tensor>& z13,
                              const at::Tensor& w2, const at::Tensor& s2,
                              const std::optional<at::Tensor>& z2, int64_t group_size) {
   const char* op = "kiln::moe_experts_quant";
-  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() ==
-                  w2.scalar_type(), op, ": x [T, H], w13 [E, 2I, ...], w2 [E, H, ...] of one dtype");
-  const int64_t H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H, op, ": w13 ", w13.sizes(), " and w2 ",
-              w2.sizes(), " do not fit x ", x.sizes());
-  const Routed r = prepare(op, x, topk_ids, topk_weights, E);
-  const at::Tensor q13 = w13.contiguous(), q2 = w2.contiguous();
-  const at::Tensor f13 = s13.to(at::kFloat).contiguous(), f2 = s2.to(at::kFloat).contiguous();
+  const PackedArgs p = packed_args(op, x, topk_ids, topk_weights, w13, s13, w2, s2);
+  const Routed& r = p.r;
+  const at::Tensor &q13 = p.q13, &q2 = p.q2, &f13 = p.s13, &f2 = p.s2;
+  const int64_t H = p.H, E = p.E, I = p.I;
   const auto dtype = x.scalar_type();
   switch (w13.scalar_type()) {
     case at::kChar:
@@ -358,14 +374,10 @@ at::Tensor moe_experts_a8(const at::Tensor& x, const at::Tensor& topk_ids,
                           const at::Tensor& w2, const at::Tensor& s2,
                           const std::optional<at::Tensor>& z2, int64_t group_size) {
   const char* op = "kiln::moe_experts_a8";
-  TORCH_CHECK(x.dim() == 2 && w13.dim() == 3 && w2.dim() == 3 && w13.scalar_type() ==
-                  w2.scalar_type(), op, ": x [T, H], w13 [E, 2I, ...], w2 [E, H, ...] of one dtype");
-  const int64_t H = x.size(1), E = w13.size(0), I = w13.size(1) / 2;
-  TORCH_CHECK(w2.size(0) == E && w2.size(1) == H, op, ": w13 ", w13.sizes(), " and w2 ",
-              w2.sizes(), " do not fit x ", x.sizes());
-  const Routed r = prepare(op, x, topk_ids, topk_weights, E);
-  const at::Tensor q13 = w13.contiguous(), q2 = w2.contiguous();
-  const at::Tensor f13 = s13.to(at::kFloat).contiguous(), f2 = s2.to(at::kFloat).contiguous();
+  const PackedArgs p = packed_args(op, x, topk_ids, topk_weights, w13, s13, w2, s2);
+  const Routed& r = p.r;
+  const at::Tensor &q13 = p.q13, &q2 = p.q2, &f13 = p.s13, &f2 = p.s2;
+  const int64_t H = p.H, E = p.E, I = p.I;
   if (w13.scalar_type() == at::kChar) {
     TORCH_CHECK(w13.size(2) == H && w2.size(2) == I, op, ": int8 experts [E, N, K] expected");
     return experts_pass(r, Int8A8Rows{q13.data_ptr<int8_t>(), f13.data_ptr<float>(), H},

@@ -112,6 +112,20 @@ def gguf_rules_for(permuted: bool, extra_attention: tuple[Rule, ...] = ()) -> tu
     )
 
 
+def gguf_window(meta: dict, read=None) -> dict:
+    """A GGUF's `{arch}.attention.sliding_window`: on every layer for llama and mistral (as
+    transformers' Mistral); refused for Qwen, whose GGUF does not say which layers it covers."""
+    arch = meta.get("general.architecture")
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if not window:
+        return {}
+    if arch not in ("llama", "mistral"):
+        raise UnsupportedConfig(f"{arch}.attention.sliding_window", window, "absent (the GGUF "
+                                "does not say which layers are windowed: use the HF checkpoint)",
+                                arch)
+    return {"sliding_window": int(window)}
+
+
 # llama.cpp permutes q/k for the architectures it runs with the "normal" (GPT-J style) rope.
 GGUF_PERMUTED_ARCHS = ("llama", "mistral")
 
@@ -120,6 +134,6 @@ FAMILY = Family(
     name="llama", hf_model_types=MODEL_TYPES, gguf_archs=MODEL_TYPES,
     config_from_hf=config_from_hf,
     gguf_options=lambda arch, names: {"attention_bias": "blk.0.attn_q.bias" in names},
-    hf_rules=hf_rules(), hf_ignore=HF_IGNORE,
+    hf_rules=hf_rules(), hf_ignore=HF_IGNORE, gguf_config=gguf_window,
     gguf_rules=lambda arch: gguf_rules_for(arch in GGUF_PERMUTED_ARCHS),
     model=DecoderModel)

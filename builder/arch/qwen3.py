@@ -9,7 +9,8 @@ from __future__ import annotations
 from kiln.builder.arch.blocks import DecoderModel
 from kiln.builder.arch.config import DecoderConfig, UnsupportedConfig
 from kiln.builder.arch.family import Family, hf_common
-from kiln.builder.arch.llama import HF_IGNORE, gguf_rules_for, hf_rules, qwen_window
+from kiln.builder.arch.llama import (HF_IGNORE, gguf_rules_for, gguf_window, hf_rules,
+                                    qwen_window)
 from kiln.builder.arch.weights import Rule, pieces
 
 
@@ -38,5 +39,5 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     gguf_options=lambda arch, names: {"qk_norm": True},
     hf_rules=hf_rules(_HF_QK), hf_ignore=HF_IGNORE,
-    gguf_rules=lambda arch: gguf_rules_for(False, _GGUF_QK),
+    gguf_rules=lambda arch: gguf_rules_for(False, _GGUF_QK), gguf_config=gguf_window,
     model=DecoderModel)

@@ -175,3 +175,16 @@ def test_qwen_window_layers_as_transformers_decides(model_type):
     with pytest.raises(UnsupportedConfig, match="4 entries"):
         config_from_hf({**on, "layer_types": ["full_attention"]})
     assert config_from_hf({**MISTRAL, "sliding_window": None}).sliding_window is None
+
+
+def test_gguf_sliding_window_on_every_layer_or_refused():
+    """llama.cpp's {arch}.attention.sliding_window: Mistral/Llama GGUFs window every layer;
+    a Qwen GGUF cannot say which layers, so it is refused naming the key."""
+    from kiln.builder.arch.llama import gguf_window
+
+    assert gguf_window({"general.architecture": "llama"}) == {}
+    assert gguf_window({"general.architecture": "mistral",
+                        "mistral.attention.sliding_window": 4096}) == {"sliding_window": 4096}
+    for arch in ("qwen2", "qwen3"):
+        with pytest.raises(UnsupportedConfig, match=f"{arch}.attention.sliding_window"):
+            gguf_window({"general.architecture": arch, f"{arch}.attention.sliding_window": 64})

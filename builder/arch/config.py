@@ -75,6 +75,11 @@ class DecoderConfig:
     attn_logit_softcap: Optional[float] = None   # scores -> c * tanh(scores / c) (Gemma 2)
     final_logit_softcap: Optional[float] = None  # logits -> c * tanh(logits / c)
     query_scale: Optional[float] = None   # attention score scale; None: 1 / sqrt(head_dim)
+    # Gemma (builder/arch/gemma.py): a norm after attention and after the MLP too (4 a layer);
+    # the sliding layers' RoPE base (None: rope_theta); a linear RoPE scaling of the others
+    post_norms: bool = False
+    rope_local_theta: Optional[float] = None
+    rope_global_factor: float = 1.0
     # Mixture of experts (builder/arch/moe.py); num_experts 0: every layer is a dense MLP
     num_experts: int = 0                  # experts per sparse layer
     experts_per_token: int = 0            # top-k experts each token is routed to
@@ -133,7 +138,7 @@ class DecoderConfig:
             attn += (self.num_heads + 2 * self.num_kv_heads) * d
         if self.qk_norm:
             attn += 2 * d
-        layer = attn + 2 * h
+        layer = attn + (4 if self.post_norms else 2) * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         sparse = len(self.sparse_layers)
         experts = self.num_experts * (3 * h * self.moe_intermediate_size) + h * self.num_experts

@@ -5,7 +5,7 @@ weight tables, the model composed from builder/arch/blocks.py), listed in FAMILI
 """
 from __future__ import annotations
 
-from kiln.builder.arch import llama, qwen3
+from kiln.builder.arch import gemma, llama, qwen3
 from kiln.builder.arch import phi3
 from kiln.builder.arch import mixtral, qwen3_moe
 from kiln.builder.arch.config import DecoderConfig
@@ -13,7 +13,7 @@ from kiln.builder.arch.family import Family
 from kiln.builder.arch.weights import Mapped, expand_rules
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, mixtral.FAMILY, qwen3_moe.FAMILY,
-                                phi3.FAMILY)
+                                phi3.FAMILY, gemma.FAMILY, gemma.IMAGE_TEXT)
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.hf_model_types}
 BY_GGUF_ARCH = {a: f for f in FAMILIES for a in f.gguf_archs}
 

@@ -18,6 +18,7 @@ BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_la
 FAMILIES = {
     "qwen3": ("qwen3", dict(use_sliding_window=False), "layers.0.attention.q_norm.weight"),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), None),
+    "gemma3_text": ("gemma3_text", dict(sliding_window=16), "layers.0.post_ffn_norm.weight"),
 }
 
 

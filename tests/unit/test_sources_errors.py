@@ -148,7 +148,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
     ("llama", "final_logit_softcapping", 30.0, "final_logit_softcapping=30.0 .*no "
      "soft-capping"),
     ("qwen3", "attn_logit_softcapping", 50.0, "attn_logit_softcapping=50.0"),
-    ("gemma2", "model_type", "gemma2", "model_type 'gemma2' is not supported; supported: "
+    ("gemma", "model_type", "gemma", "model_type 'gemma' is not supported; supported: "
      "llama, mistral, qwen2, qwen3"),
 ])
 def test_config_that_changes_the_math_is_refused(tmp_path, model_type, key, value, message):

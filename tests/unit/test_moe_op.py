@@ -163,3 +163,27 @@ def test_int8_activation_experts_match_naive_loop(cpu_kernel, scheme, group):
         alone = torch.ops.kiln.moe_experts_a8(x[t:t + 1], ids[t:t + 1], weights[t:t + 1],
                                               *args[3:])
         assert torch.equal(alone[0], out[t]), (scheme, t)
+
+
+def test_qwen3_moe_sparse_layers_follow_transformers_rule():
+    """Layer i is sparse unless in mlp_only_layers, and only when (i + 1) % step == 0."""
+    from kiln.builder.arch.qwen3_moe import sparse_layers
+
+    cfg = dict(num_hidden_layers=6, num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert sparse_layers(cfg) == (1, 5)
+    assert sparse_layers(dict(cfg, decoder_sparse_step=1, mlp_only_layers=[])) == tuple(range(6))
+    assert sparse_layers(dict(cfg, num_experts=0)) == ()
+
+
+def test_moe_config_round_trips_and_counts_its_experts():
+    from kiln.builder.arch.config import DecoderConfig
+
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                        num_heads=2, num_kv_heads=1, head_dim=16, num_experts=4,
+                        experts_per_token=2, moe_intermediate_size=8, normalize_topk=False,
+                        sparse_layers=(0, 2))
+    assert DecoderConfig.from_dict(cfg.to_dict()) == cfg
+    dense = DecoderConfig(**{**cfg.to_dict(), "num_experts": 0, "sparse_layers": ()})
+    # two sparse layers: their dense MLP (3 * 32 * 64) becomes 4 experts and a router
+    assert cfg.num_parameters - dense.num_parameters == 2 * (4 * 3 * 32 * 8 + 32 * 4
+                                                             - 3 * 32 * 64)

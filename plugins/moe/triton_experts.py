@@ -106,9 +106,10 @@ def moe_experts_triton(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     inter = two_i // 2
     xf, w13, w2 = x.float().contiguous(), w13.contiguous(), w2.contiguous()
     flat = topk_ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True).to(torch.int32)            # pairs by expert
-    starts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-    starts[1:] = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    by_expert, order = torch.sort(flat, stable=True)                    # pairs by expert
+    order = order.to(torch.int32)
+    # expert e's pairs are order[starts[e]:starts[e + 1]] (static shapes, for export)
+    starts = torch.searchsorted(by_expert, torch.arange(E + 1, device=x.device)).to(torch.int32)
     act = xf.new_empty((T * k, inter))
     contrib = xf.new_empty((T * k, H))
     rows = triton.cdiv(T * k, BLOCK_M)            # blocks of one expert's pairs, at most

@@ -45,3 +45,52 @@ def test_batch_invariant():
         alone = torch.ops.kiln.moe_experts_triton(x[t:t + 1], ids[t:t + 1], weights[t:t + 1],
                                                   w13, w2)
         assert torch.equal(alone[0], batch[t]), t
+
+
+EXPORT = r'''
+import json
+import torch
+from torch.export import Dim
+from kiln.plugins.moe import ops, triton_experts
+from triton.runtime.jit import JITFunction
+from tests.unit.test_moe_op import case
+
+assert isinstance(triton_experts._gate_up_kernel, JITFunction)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, w13, w2):
+        super().__init__()
+        self.register_buffer("w13", w13)
+        self.register_buffer("w2", w2)
+
+    def forward(self, x, logits):
+        ids, weights = ops.route(logits, 2, True)
+        return torch.ops.kiln.moe_experts_triton(x, ids, weights, self.w13, self.w2)
+
+
+x, _, _, w13, w2 = case(T=8)
+T = Dim("T", min=1, max=512)
+ep = torch.export.export(Layer(w13, w2), (x, torch.randn(8, 8)),
+                         dynamic_shapes=({0: T}, {0: T}))
+print(json.dumps(sorted({str(n.target) for n in ep.graph.nodes if n.op == "call_function"})))
+'''
+
+
+def test_export_keeps_the_experts_pass_one_op_with_a_dynamic_token_dim():
+    """torch.export captures kiln::moe_experts_triton whole, T dynamic (no data-dependent
+    shapes inside); run without TRITON_INTERPRET, nothing launched (tests/interpret's
+    test_triton_export.py does the same for the other Triton ops)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    run = subprocess.run([sys.executable, "-c", EXPORT], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "kiln.moe_experts_triton.default" in json.loads(run.stdout.strip().splitlines()[-1])

@@ -163,6 +163,8 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
         w.add_value_length(cfg.head_dim)
     if family == "phi3":
         _write_phi3_rope(w, hf_model)
+    elif family == "llama" and getattr(cfg, "sliding_window", None):   # Mistral's window
+        w.add_sliding_window(cfg.sliding_window)
     tok = json.loads(byte_level(VOCAB, 1, 2))
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     w.add_tokenizer_model("gpt2")

@@ -32,6 +32,7 @@ class Family:
     gguf_ignore: tuple[str, ...] = ()          # GGUF tensors read into the config, not weights
     # (GGUF metadata, read a tensor by name) -> DecoderConfig fields the family reads itself
     gguf_config: Optional[Callable[[dict, Callable[[str], torch.Tensor]], dict]] = None
+    gguf_rope_scaling: tuple[str, ...] = ()    # rope.scaling.type values gguf_config reads
 
     def rules(self, fmt: str, arch: str) -> tuple[tuple[Rule, ...], tuple[str, ...]]:
         """(rules, ignore patterns) for a source format ('hf' | 'gguf')."""

@@ -21,8 +21,7 @@ mantissa, which HF does not. llama.cpp's converter writes 1 + w into a GGUF; the
 tables subtract it back.
 
 Gemma3ForConditionalGeneration (model_type gemma3, image-text) builds its text model: the
-tensors under language_model., the vision tower and projector unread. A gemma3 GGUF with
-rope scaling (the 4B/12B/27B ones) is refused by the GGUF reader; their HF checkpoints build.
+tensors under language_model., the vision tower and projector unread.
 """
 from __future__ import annotations
 
@@ -256,7 +255,18 @@ def gguf_config(meta: dict, read) -> dict:
         attn_logit_softcap=meta.get(f"{arch}.attn_logit_softcapping", 50.0) if gemma2 else None,
         final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping", 30.0 if gemma2 else None),
         query_scale=float(scale_dim) ** -0.5,
-        rope_local_theta=None if gemma2 else float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)))
+        rope_local_theta=None if gemma2 else float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)),
+        rope_global_factor=_gguf_linear_factor(meta, arch))
+
+
+def _gguf_linear_factor(meta: dict, arch: str) -> float:
+    """llama.cpp applies a gemma3 GGUF's linear rope scaling to the global layers only."""
+    if meta.get(f"{arch}.rope.scaling.type", "none") != "linear":
+        return 1.0
+    if arch != "gemma3":
+        raise ValueError(f"{arch}.rope.scaling.type linear: only gemma3 scales (its global "
+                         "layers)")
+    return float(meta[f"{arch}.rope.scaling.factor"])
 
 
 # --- weight tables ----------------------------------------------------------------------------
@@ -318,7 +328,7 @@ FAMILY = Family(
     gguf_options=lambda arch, names: {},
     hf_rules=HF_RULES, hf_ignore=HF_IGNORE,
     gguf_rules=lambda arch: GGUF_RULES,
-    model=GemmaModel, gguf_config=gguf_config)
+    model=GemmaModel, gguf_config=gguf_config, gguf_rope_scaling=("linear",))
 
 # Registered by model_type gemma3 only; a GGUF `gemma3` config (family "gemma3") finds it by
 # that name too, hence the same GGUF tables and model.

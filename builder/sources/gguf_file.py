@@ -66,7 +66,7 @@ def _config(meta: dict, names: set[str], path: Path,
         return default
 
     scaling = get("rope.scaling.type", "none", required=False)
-    if scaling not in ("none", None) or "rope_freqs.weight" in names:
+    if scaling not in ("none", None, *family.gguf_rope_scaling) or "rope_freqs.weight" in names:
         raise CheckpointError(f"{path}: rope scaling ({scaling!r}"
                               f"{', rope_freqs.weight' if 'rope_freqs.weight' in names else ''})"
                               " in a GGUF is not supported; use the HF checkpoint")

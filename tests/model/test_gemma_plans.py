@@ -4,9 +4,9 @@ plans from their HF directories and from GGUFs written as llama.cpp's converter 
 logits within 1e-3; an int8 plan passes its accuracy gate. Their sliding window (16) is
 shorter than the longest prompt plus its answer, and Gemma 2 soft-caps its attention scores.
 
-llama.cpp's GGUF has no key for query_pre_attn_scalar (it scales by head_dim ** -0.5) and
-its gemma3 reader refuses linear rope scaling here, so each GGUF is written from a twin of
-the HF model (same weights) with query_pre_attn_scalar = head_dim and no rope scaling."""
+llama.cpp's GGUF has no key for query_pre_attn_scalar (it scales by head_dim ** -0.5), so
+each GGUF is written from a twin of the HF model (same weights) with query_pre_attn_scalar =
+head_dim. Gemma 3's linear rope scaling of its global layers is in both."""
 from __future__ import annotations
 
 import json
@@ -47,9 +47,6 @@ def _gemma(version: str, gguf_twin: bool = False):
     kw.update(extra)
     if gguf_twin:
         kw["query_pre_attn_scalar"] = HEAD_DIM
-        if version == "gemma3":
-            kw["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": p["rope_theta"]}
-                                     for t, p in G3_ROPE.items()}
     torch.manual_seed(7)
     model = getattr(transformers, model_cls)(getattr(transformers, conf_cls)(**kw)).eval()
     with torch.no_grad():   # HF inits Gemma's norms to 0 (a scale of 1): make mapping errors show
@@ -91,7 +88,11 @@ def _write_gemma_gguf(path, arch: str, model) -> None:
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     else:                     # the local base is llama.cpp's built-in 10000
-        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        glob = cfg.rope_parameters["full_attention"]
+        w.add_rope_freq_base(glob["rope_theta"])
+        if glob["rope_type"] == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(glob["factor"])
     tok = json.loads(byte_level(VOCAB, 1, 2))
     vocab = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
     w.add_tokenizer_model("gpt2")
@@ -152,6 +153,7 @@ def test_gemma_gguf_plan_matches_transformers(gemma, tmp_path, digest_cache):
     ref = config_from_hf(twin.config.to_dict())
     for key in ("sliding_window", "sliding_layers", "attn_logit_softcap",
                 "final_logit_softcap", "query_scale", "rope_theta", "rope_local_theta",
+                "rope_global_factor",
                 "qk_norm", "post_norms", "head_dim", "tie_word_embeddings"):
         assert getattr(ckpt.config, key) == getattr(ref, key), key
     # the GGUF's norms (1 + w) come back as the HF checkpoint's w

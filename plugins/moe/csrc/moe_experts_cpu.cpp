@@ -418,34 +418,24 @@ KILN_AOTI_SHIM aoti_torch_cpu_moe_experts(AtenTensorHandle x, AtenTensorHandle i
   });
 }
 
-KILN_AOTI_SHIM aoti_torch_cpu_moe_experts_quant(
-    AtenTensorHandle x, AtenTensorHandle ids, AtenTensorHandle weights, AtenTensorHandle w13,
-    AtenTensorHandle s13, AtenTensorHandle* z13, AtenTensorHandle w2, AtenTensorHandle s2,
-    AtenTensorHandle* z2, int64_t group_size, AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using kiln_shim::Opt;
-    using kiln_shim::T;
-    static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, T, Opt, T, T, Opt, int64_t)>(
-        "kiln::moe_experts_quant");
-    *ret0 = kiln_shim::result(op.call(
-        kiln_shim::tensor(x), kiln_shim::tensor(ids), kiln_shim::tensor(weights),
-        kiln_shim::tensor(w13), kiln_shim::tensor(s13), kiln_shim::optional(z13),
-        kiln_shim::tensor(w2), kiln_shim::tensor(s2), kiln_shim::optional(z2), group_size));
-  });
-}
+// The shim of a packed-experts op `kiln::NAME(x, topk_ids, topk_weights, w13, w13_scales,
+// w13_zeros?, w2, w2_scales, w2_zeros?, int group_size)`.
+#define KILN_MOE_PACKED_SHIM(NAME)                                                             \
+  KILN_AOTI_SHIM aoti_torch_cpu_##NAME(                                                        \
+      AtenTensorHandle x, AtenTensorHandle ids, AtenTensorHandle weights, AtenTensorHandle w13, \
+      AtenTensorHandle s13, AtenTensorHandle* z13, AtenTensorHandle w2, AtenTensorHandle s2,   \
+      AtenTensorHandle* z2, int64_t group_size, AtenTensorHandle* ret0) {                      \
+    AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({                                               \
+      using kiln_shim::Opt;                                                                    \
+      using kiln_shim::T;                                                                      \
+      static const auto op =                                                                   \
+          kiln_shim::op<at::Tensor(T, T, T, T, T, Opt, T, T, Opt, int64_t)>("kiln::" #NAME);   \
+      *ret0 = kiln_shim::result(op.call(                                                       \
+          kiln_shim::tensor(x), kiln_shim::tensor(ids), kiln_shim::tensor(weights),            \
+          kiln_shim::tensor(w13), kiln_shim::tensor(s13), kiln_shim::optional(z13),            \
+          kiln_shim::tensor(w2), kiln_shim::tensor(s2), kiln_shim::optional(z2), group_size)); \
+    });                                                                                        \
+  }
 
-KILN_AOTI_SHIM aoti_torch_cpu_moe_experts_a8(
-    AtenTensorHandle x, AtenTensorHandle ids, AtenTensorHandle weights, AtenTensorHandle w13,
-    AtenTensorHandle s13, AtenTensorHandle* z13, AtenTensorHandle w2, AtenTensorHandle s2,
-    AtenTensorHandle* z2, int64_t group_size, AtenTensorHandle* ret0) {
-  AOTI_TORCH_CONVERT_EXCEPTION_TO_ERROR_CODE({
-    using kiln_shim::Opt;
-    using kiln_shim::T;
-    static const auto op = kiln_shim::op<at::Tensor(T, T, T, T, T, Opt, T, T, Opt, int64_t)>(
-        "kiln::moe_experts_a8");
-    *ret0 = kiln_shim::result(op.call(
-        kiln_shim::tensor(x), kiln_shim::tensor(ids), kiln_shim::tensor(weights),
-        kiln_shim::tensor(w13), kiln_shim::tensor(s13), kiln_shim::optional(z13),
-        kiln_shim::tensor(w2), kiln_shim::tensor(s2), kiln_shim::optional(z2), group_size));
-  });
-}
+KILN_MOE_PACKED_SHIM(moe_experts_quant)
+KILN_MOE_PACKED_SHIM(moe_experts_a8)

@@ -1,9 +1,10 @@
 """Microbenchmark of kiln::paged_attention on CPU: compiled kernel vs pure-torch reference.
 
 SmolLM2-135M attention shapes (H=9, KVH=3, D=64, 16 tokens per block), one layer:
-decode at batch 1 and 32 with 512 tokens of context, and one 512-token prefill chunk.
+decode at batch 1 and 32 with 512 tokens of context, and one 512-token prefill chunk; then
+the kernel's decode on a 2048-token context, global vs a sliding window of --window tokens.
 
-    python bench/paged_attention_micro.py [--threads N] [--iters N]
+    python bench/paged_attention_micro.py [--threads N] [--iters N] [--window N]
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--window", type=int, default=256, help="sliding window of the last cases")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kernels.load()
@@ -70,6 +72,18 @@ def main():
         tk = timeit(torch.ops.kiln.paged_attention, args, a.iters)
         tr = timeit(paged_attention_reference, args, max(3, a.iters // 4))
         print(f"{name:<22}{tk * 1e3:>11.3f}{tr * 1e3:>14.3f}{tr / tk:>8.1f}x")
+    window_cases(a.window, a.iters)
+
+
+def window_cases(window: int, iters: int):
+    """Decode over a 2048-token context: every key vs the last `window` keys."""
+    print(f"{'case':<22}{'global ms':>11}{f'window {window} ms':>18}{'speedup':>9}")
+    for name, seqs in {"decode b=1 ctx=2048": [(2047, 1)],
+                       "decode b=8 ctx=2048": [(2047, 1)] * 8}.items():
+        args = make_inputs(seqs)
+        tg = timeit(torch.ops.kiln.paged_attention, args, iters)
+        tw = timeit(torch.ops.kiln.paged_attention, args + (window, 0.0), iters)
+        print(f"{name:<22}{tg * 1e3:>11.3f}{tw * 1e3:>18.3f}{tg / tw:>8.1f}x")
 
 
 if __name__ == "__main__":

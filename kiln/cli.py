@@ -279,6 +279,55 @@ def bench(
                 plot_path=str(plot) if plot else None)
 
 
+@app.command()
+def package(plan: Path = typer.Argument(..., help="a plan directory"),
+            oci: Path = typer.Option(..., "--oci", help="write an OCI image layout here (a new "
+                                     "or empty directory)")):
+    """Package a plan as a deterministic OCI image (the plan under /models/NAME): usable as a
+    Kubernetes image volume or a KServe modelcar. Prints the manifest digest."""
+    from kiln.runtime.tools.package import PackageError, package_plan
+
+    try:
+        done = package_plan(plan, oci)
+    except PackageError as e:
+        _fail(str(e))
+    typer.echo(f"packaged {done.name} into {oci}: manifest {done.manifest.digest}, "
+               f"layer {done.layer.digest} ({done.layer.size} bytes), plan digest "
+               f"{done.plan_digest}")
+    store = _containing_store(plan)
+    if store is not None:
+        from kiln.builder.plan_ci.store import PlanStore
+
+        PlanStore(store).record_package(done.fingerprint, done.manifest.digest,
+                                        done.layer.digest, done.plan_digest)
+        typer.echo(f"recorded in {store}/packages/{done.fingerprint}.json")
+
+
+def _containing_store(plan: Path) -> Optional[Path]:
+    """The kiln ci store whose plans/<fingerprint>/ `plan` is, if any."""
+    plan = plan.resolve()
+    root = plan.parent.parent
+    if plan.parent.name == "plans" and (root / "current").is_dir():
+        return root
+    return None
+
+
+@app.command()
+def unpack(layout: Path = typer.Argument(..., help="an OCI layout written by kiln package"),
+           out: Path = typer.Option(..., "--out", help="unpack the plan here (new or empty)"),
+           expect_digest: Optional[str] = typer.Option(None, "--expect-digest",
+                                                       metavar="SHA256")):
+    """Check an OCI plan image (every blob against its digest), unpack the plan and verify it
+    loads here like any plan."""
+    from kiln.runtime.plan import PlanError
+    from kiln.runtime.tools.package import PackageError, load_packaged
+
+    try:
+        p = load_packaged(layout, out, expect_digest=expect_digest)
+    except (PackageError, PlanError) as e:
+        _fail(str(e))
+    typer.echo(f"unpacked {p.name} into {p.path} (plan digest {p.digest})")
+
 from kiln.ci_cli import app as ci_app  # noqa: E402  (builder.plan_ci is imported inside its commands)
 
 app.add_typer(ci_app, name="ci")

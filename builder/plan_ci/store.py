@@ -173,6 +173,19 @@ class PlanStore:
         """What kiln ci recorded when it published plan fp (None: no record)."""
         return PlanRecord.from_json(_read_json(self.records / f"{fp}.json"))
 
+    def package(self, fp: str) -> Optional[dict]:
+        """The OCI image `kiln package` made of plan fp: {"manifest_digest", "layer_digest",
+        "plan_digest"} (None: not packaged)."""
+        return _read_json(self.root / "packages" / f"{fp}.json")
+
+    def record_package(self, fp: str, manifest_digest: str, layer_digest: str,
+                       plan_digest: str) -> None:
+        """Record, beside plan fp's content address, the OCI image digest it packages to."""
+        with self.lock():
+            write_json_atomic(self.root / "packages" / f"{fp}.json",
+                              {"manifest_digest": manifest_digest, "layer_digest": layer_digest,
+                               "plan_digest": plan_digest})
+
     def pointer(self, name: str) -> Optional[Pointer]:
         data = _read_json(self.current_dir / f"{name}.json")
         if not data or not isinstance(data.get("fingerprint"), str):

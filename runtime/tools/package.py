@@ -1,0 +1,349 @@
+"""A plan as an OCI image: `kiln package PLAN --oci DIR` and its verified unpacking.
+
+    DIR/oci-layout                  {"imageLayoutVersion": "1.0.0"}
+    DIR/index.json                  one manifest, ref name = the plan's name
+    DIR/blobs/sha256/<manifest>     image manifest: the config + one layer
+    DIR/blobs/sha256/<config>       image config: rootfs.diff_ids = [the layer's digest]
+    DIR/blobs/sha256/<layer>        uncompressed tar: models/<plan-name>/plan.json and every
+                                    file plan.json lists
+
+Deterministic: entries sorted, mtime 0, uid/gid 0, no user names, modes 0644/0755, the layer
+uncompressed (no gzip header to vary) and every JSON document written with sorted keys and no
+date. The same plan gives the same manifest digest on any machine and from any directory it
+was copied to: nothing of the host or of the plan's path goes in. Each plan file is checked
+against the sha256 plan.json records while it is written, so a damaged plan is never packaged.
+
+Unpacking checks the layout against the OCI image-layout rules it relies on (oci-layout
+version, media types), then the size and sha256 of the manifest, config and every layer blob
+before one byte is extracted; extraction takes regular files and directories under
+models/<name>/ only (no links, no absolute or `..` paths). The unpacked plan is then loaded
+like any plan (runtime/plan.py load_plan: format, target, toolchain, checksums).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Optional
+
+from kiln.contracts import MANIFEST_FILE
+from kiln.contracts.manifest import ManifestError, PlanManifest, manifest_digest
+
+LAYOUT_VERSION = "1.0.0"
+INDEX_MEDIA = "application/vnd.oci.image.index.v1+json"
+MANIFEST_MEDIA = "application/vnd.oci.image.manifest.v1+json"
+CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
+LAYER_MEDIA = "application/vnd.oci.image.layer.v1.tar"
+MODELS_ROOT = "models"
+REF_ANNOTATION = "org.opencontainers.image.ref.name"
+# platform.machine() of the plan's target -> the OCI (GOARCH) architecture name
+OCI_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64",
+            "ppc64le": "ppc64le", "s390x": "s390x"}
+
+
+class PackageError(RuntimeError):
+    """A plan that cannot be packaged, or an OCI layout that is refused (message for a person)."""
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """An OCI content descriptor: what a blob is, its sha256 and size."""
+
+    media_type: str
+    digest: str    # "sha256:<hex>"
+    size: int
+
+    def to_json(self) -> dict:
+        return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
+
+
+@dataclass(frozen=True)
+class Packaged:
+    """What `package_plan` wrote."""
+
+    layout: Path
+    name: str                # the plan's name: the ref name and models/<name>
+    manifest: Descriptor     # its digest names the image (`oci://...@sha256:...`)
+    layer: Descriptor
+    plan_digest: str         # sha256 of plan.json (kiln serve --expect-digest)
+    fingerprint: str
+
+
+def _canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _read_plan_manifest(plan: Path) -> tuple[PlanManifest, bytes]:
+    try:
+        raw = (plan / MANIFEST_FILE).read_bytes()
+    except OSError as e:
+        raise PackageError(f"{plan} is not a plan: cannot read {MANIFEST_FILE} ({e.strerror}). "
+                           "Build one with: kiln build model_specs/<spec>.yaml") from None
+    try:
+        return PlanManifest.loads(raw.decode()), raw
+    except (ManifestError, ValueError) as e:
+        raise PackageError(f"{plan / MANIFEST_FILE} is not a valid plan manifest ({e}); "
+                           "rebuild the plan") from None
+
+
+def _entry(name: str, mode: int, size: int = 0, is_dir: bool = False) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+    info.mode, info.size, info.mtime = mode, size, 0
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    return info
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes and counts what goes through it into `out`."""
+
+    def __init__(self, out):
+        self.out, self.sha, self.size = out, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.out.write(b)
+        self.sha.update(b)
+        self.size += len(b)
+        return len(b)
+
+
+class _CheckedReader(io.RawIOBase):
+    """Reads a plan file while hashing it; `check()` compares with plan.json's sha256."""
+
+    def __init__(self, f, rel: str, sha256: str):
+        self.f, self.rel, self.want, self.sha = f, rel, sha256, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = self.f.readinto(b)
+        self.sha.update(memoryview(b)[:n])
+        return n
+
+    def check(self, plan: Path) -> None:
+        if self.sha.hexdigest() != self.want:
+            raise PackageError(f"plan {plan}: {self.rel} does not match the sha256 plan.json "
+                               "records; the plan is damaged, rebuild it before packaging")
+
+
+def _write_layer(plan: Path, manifest: PlanManifest, raw: bytes, out) -> Descriptor:
+    """The layer tar of `plan` into the open file `out`; its descriptor."""
+    root = PurePosixPath(MODELS_ROOT, manifest.name)
+    files = sorted({MANIFEST_FILE, *manifest.files})
+    dirs = {root.parent, root}
+    for rel in files:
+        p = PurePosixPath(rel)
+        if p.is_absolute() or ".." in p.parts:
+            raise PackageError(f"plan {plan}: file {rel!r} is outside the plan directory")
+        dirs.update((root / p).parents)
+    dirs.discard(PurePosixPath("."))
+    writer = _HashingWriter(out)
+    with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for d in sorted(dirs):
+            tar.addfile(_entry(f"{d}/", 0o755, is_dir=True))
+        for rel in files:
+            if rel == MANIFEST_FILE:
+                tar.addfile(_entry(str(root / rel), 0o644, len(raw)), io.BytesIO(raw))
+                continue
+            entry = manifest.files[rel]
+            path = plan / rel
+            if not path.is_file() or path.stat().st_size != entry.size:
+                raise PackageError(f"plan {plan}: {rel} is missing or not {entry.size} bytes; "
+                                   "rebuild the plan before packaging")
+            with open(path, "rb") as f:
+                reader = _CheckedReader(f, rel, entry.sha256)
+                tar.addfile(_entry(str(root / rel), 0o644, entry.size),
+                            io.BufferedReader(reader, 1 << 22))
+                reader.check(plan)
+    return Descriptor(LAYER_MEDIA, "sha256:" + writer.sha.hexdigest(), writer.size)
+
+
+def _put_blob(blobs: Path, data: bytes, media_type: str) -> Descriptor:
+    hexd = hashlib.sha256(data).hexdigest()
+    (blobs / hexd).write_bytes(data)
+    return Descriptor(media_type, "sha256:" + hexd, len(data))
+
+
+def package_plan(plan: str | Path, out: str | Path) -> Packaged:
+    """Write plan directory `plan` as an OCI image layout at `out` (a new or empty directory)."""
+    plan, out = Path(plan), Path(out)
+    manifest, raw = _read_plan_manifest(plan)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PackageError(f"{out} exists and is not an empty directory; give a new one")
+    blobs = out / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(blobs / ".layer", "wb") as f:
+            layer = _write_layer(plan, manifest, raw, f)
+        os.replace(blobs / ".layer", blobs / layer.digest.removeprefix("sha256:"))
+    except BaseException:
+        shutil.rmtree(out / "blobs", ignore_errors=True)   # nothing half-written stays
+        raise
+    plan_digest = manifest_digest(raw)
+    labels = {"dev.kiln.plan.name": manifest.name, "dev.kiln.plan.digest": plan_digest,
+              "dev.kiln.plan.fingerprint": manifest.fingerprint,
+              "dev.kiln.plan.path": f"/{MODELS_ROOT}/{manifest.name}"}
+    arch = OCI_ARCH.get(manifest.target.arch, manifest.target.arch)
+    config = _put_blob(blobs, _canonical({
+        "architecture": arch, "os": "linux", "config": {"Labels": labels},
+        "rootfs": {"type": "layers", "diff_ids": [layer.digest]}}), CONFIG_MEDIA)
+    image = _put_blob(blobs, _canonical({
+        "schemaVersion": 2, "mediaType": MANIFEST_MEDIA, "config": config.to_json(),
+        "layers": [layer.to_json()],
+        "annotations": {"org.opencontainers.image.title": manifest.name, **labels}}),
+        MANIFEST_MEDIA)
+    (out / "oci-layout").write_bytes(_canonical({"imageLayoutVersion": LAYOUT_VERSION}))
+    (out / "index.json").write_bytes(_canonical({
+        "schemaVersion": 2, "mediaType": INDEX_MEDIA,
+        "manifests": [{**image.to_json(), "annotations": {REF_ANNOTATION: manifest.name},
+                       "platform": {"architecture": arch, "os": "linux"}}]}))
+    return Packaged(out, manifest.name, image, layer, plan_digest, manifest.fingerprint)
+
+
+# ---- reading a layout back ------------------------------------------------------------------
+
+def _load_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_bytes())
+    except OSError as e:
+        raise PackageError(f"{what} {path} is missing ({e.strerror})") from None
+    except ValueError as e:
+        raise PackageError(f"{what} {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise PackageError(f"{what} {path} is not a JSON object")
+    return data
+
+
+def _descriptor(d: object, media_type: str, what: str) -> Descriptor:
+    if not isinstance(d, dict):
+        raise PackageError(f"{what}: not a descriptor object")
+    digest, size = d.get("digest"), d.get("size")
+    if d.get("mediaType") != media_type:
+        raise PackageError(f"{what}: media type {d.get('mediaType')!r}, expected {media_type}")
+    if (not isinstance(digest, str) or not digest.startswith("sha256:")
+            or len(digest) != 71 or not all(c in "0123456789abcdef" for c in digest[7:])):
+        raise PackageError(f"{what}: digest {digest!r} is not sha256:<64 hex>")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise PackageError(f"{what}: size {size!r} is not a byte count")
+    return Descriptor(media_type, digest, size)
+
+
+def verify_blob(layout: Path, desc: Descriptor, what: str) -> Path:
+    """The blob file of `desc`, after checking its size and sha256 (PackageError if not)."""
+    path = layout / "blobs" / "sha256" / desc.digest.removeprefix("sha256:")
+    if not path.is_file():
+        raise PackageError(f"{layout}: the {what} blob {desc.digest} is missing")
+    if path.stat().st_size != desc.size:
+        raise PackageError(f"{layout}: the {what} blob {desc.digest} is "
+                           f"{path.stat().st_size} bytes, its descriptor says {desc.size}")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    if "sha256:" + h.hexdigest() != desc.digest:
+        raise PackageError(f"{layout}: the {what} blob {desc.digest} has been altered "
+                           f"(its content hashes to sha256:{h.hexdigest()})")
+    return path
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A verified OCI layout of a plan: every blob checked against its digest."""
+
+    path: Path
+    name: str
+    manifest: Descriptor
+    layers: tuple[Path, ...]
+
+
+def read_layout(layout: str | Path) -> Layout:
+    """Check an OCI layout written by `package_plan`: oci-layout, index.json, media types,
+    and the size and sha256 of the manifest, config and every layer."""
+    layout = Path(layout)
+    marker = _load_json(layout / "oci-layout", "OCI layout marker")
+    if marker.get("imageLayoutVersion") != LAYOUT_VERSION:
+        raise PackageError(f"{layout}/oci-layout: imageLayoutVersion "
+                           f"{marker.get('imageLayoutVersion')!r}, expected {LAYOUT_VERSION}")
+    index = _load_json(layout / "index.json", "OCI index")
+    if index.get("schemaVersion") != 2:
+        raise PackageError(f"{layout}/index.json: schemaVersion {index.get('schemaVersion')!r}, "
+                           "expected 2")
+    entries = index.get("manifests")
+    if not isinstance(entries, list) or len(entries) != 1:
+        raise PackageError(f"{layout}/index.json: expected exactly one manifest (a plan image)")
+    desc = _descriptor(entries[0], MANIFEST_MEDIA, "index.json manifests[0]")
+    name = (entries[0].get("annotations") or {}).get(REF_ANNOTATION)
+    image = json.loads(verify_blob(layout, desc, "manifest").read_bytes())
+    config = _descriptor(image.get("config"), CONFIG_MEDIA, "manifest config")
+    config_doc = json.loads(verify_blob(layout, config, "config").read_bytes())
+    layers = image.get("layers")
+    if not isinstance(layers, list) or not layers:
+        raise PackageError(f"{layout}: the image manifest lists no layers")
+    layer_descs = [_descriptor(d, LAYER_MEDIA, f"manifest layers[{i}]")
+                   for i, d in enumerate(layers)]
+    diff_ids = (config_doc.get("rootfs") or {}).get("diff_ids")
+    if diff_ids != [d.digest for d in layer_descs]:
+        raise PackageError(f"{layout}: the config's rootfs.diff_ids do not name the manifest's "
+                           "layers")
+    paths = tuple(verify_blob(layout, d, f"layer {i}") for i, d in enumerate(layer_descs))
+    if not isinstance(name, str) or not name:
+        raise PackageError(f"{layout}/index.json: the manifest has no {REF_ANNOTATION}")
+    return Layout(layout, name, desc, paths)
+
+
+def _extract(layer: Path, dest: Path, root: PurePosixPath) -> None:
+    """Regular files and directories of `layer` under `root`, into `dest`; anything else
+    (a link, a device, a path outside `root`) refuses the layer."""
+    with tarfile.open(layer, mode="r:") as tar:
+        for info in tar:
+            p = PurePosixPath(info.name.rstrip("/"))
+            if p.is_absolute() or ".." in p.parts:
+                raise PackageError(f"{layer}: entry {info.name!r} leaves the image root")
+            if p in (PurePosixPath(MODELS_ROOT), root) and info.isdir():
+                continue
+            if root not in p.parents or not (info.isfile() or info.isdir()):
+                raise PackageError(f"{layer}: entry {info.name!r} is not a file or directory "
+                                   f"under /{root}")
+            target = dest / p.relative_to(root)
+            if info.isdir():
+                target.mkdir(parents=True, exist_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tar.extractfile(info) as src, open(target, "wb") as out:
+                shutil.copyfileobj(src, out, 1 << 22)
+
+
+def unpack_layout(layout: str | Path, dest: str | Path) -> Path:
+    """Verify an OCI plan layout (read_layout), unpack its plan into `dest` (new or empty),
+    and return the plan directory; load it with runtime/plan.py load_plan to verify it."""
+    found = read_layout(layout)
+    dest = Path(dest)
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise PackageError(f"{dest} exists and is not an empty directory; give a new one")
+    dest.mkdir(parents=True, exist_ok=True)
+    root = PurePosixPath(MODELS_ROOT, found.name)
+    try:
+        for layer in found.layers:
+            _extract(layer, dest, root)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return dest
+
+
+def load_packaged(layout: str | Path, dest: str | Path, expect_digest: Optional[str] = None):
+    """Unpack a verified OCI plan layout into `dest` and load the plan like any plan
+    (runtime/plan.py load_plan: format, target, toolchain, checksums)."""
+    from kiln.runtime.plan import load_plan
+
+    return load_plan(unpack_layout(layout, dest), expect_digest=expect_digest)

@@ -20,8 +20,10 @@ from kiln.contracts.manifest import TargetSection
 
 
 def toolchain() -> dict:
+    from kiln.plugins.shims import ops_abi
+
     return {"kiln": KILN_VERSION, "torch": torch.__version__,
-            "python": ".".join(map(str, sys.version_info[:3]))}
+            "python": ".".join(map(str, sys.version_info[:3])), "ops": ops_abi()}
 
 
 def build_target(spec: Spec) -> TargetSection:

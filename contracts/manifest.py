@@ -197,6 +197,8 @@ class ToolchainSection(_Section):
     kiln: str
     torch: str
     python: str
+    ops: Optional[str] = None   # digest of the kernel ops' schemas (plugins/shims.ops_abi);
+                                # None: a plan from before it was recorded
 
 
 @dataclass(frozen=True)

@@ -36,12 +36,27 @@ def declaration(op: torch._ops.OpOverload) -> str:
     return f"AOTITorchError aoti_torch_cpu_{name}({', '.join(args + ['AtenTensorHandle*'])})"
 
 
+def _import_schemas() -> None:
+    from kiln.plugins.moe import ops as _m  # noqa: F401  (the schemas)
+    from kiln.plugins.paged_kv import ops as _pa  # noqa: F401
+    from kiln.plugins.quant import ops as _q  # noqa: F401
+
+
+def ops_abi() -> str:
+    """A digest of the schemas of the ops whose C++ kernels a CPU plan carries: a plan's
+    kernel libraries register against these schemas, so a runtime whose schemas differ
+    (an argument added) cannot load them (torch aborts the process). Recorded in the
+    manifest's toolchain and checked before anything is loaded."""
+    import hashlib
+
+    _import_schemas()
+    text = "\n".join(str(getattr(torch.ops.kiln, n).default._schema) for n in CPU_OPS)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def declarations() -> dict[torch._ops.OpOverload, list[str]]:
     """aot_inductor.custom_ops_to_c_shims for a CPU plan: every kiln op with a CPU kernel."""
-    from kiln.plugins.paged_kv import ops as _pa  # noqa: F401  (the schemas)
-    from kiln.plugins.quant import ops as _q  # noqa: F401
-    from kiln.plugins.moe import ops as _moe  # noqa: F401
-
+    _import_schemas()
     out = {}
     for name in CPU_OPS:
         op = getattr(torch.ops.kiln, name).default

@@ -216,6 +216,16 @@ def check_toolchain(manifest: PlanManifest, path: Path) -> None:
                         f"{torch.__version__}, and compiled engines only run on the torch they "
                         f"were built with. Install torch=={built}, or rebuild: "
                         f"{rebuild_command(manifest.spec_path)}", "toolchain.torch")
+    from kiln.plugins.shims import ops_abi
+
+    ops = ops_abi()
+    if manifest.toolchain.ops != ops:
+        # its kernel libraries would register against other op schemas: torch aborts
+        raise PlanError(f"plan {path} was built by a kiln whose kernel ops differ from this "
+                        f"runtime's (op schemas {manifest.toolchain.ops or 'unrecorded'}, this "
+                        f"runtime {ops}; kiln {manifest.toolchain.kiln}): its compiled kernels "
+                        f"cannot run here. Rebuild: {rebuild_command(manifest.spec_path)}",
+                        "toolchain.ops")
 
 
 # The plugins a plan's engine may name (imported for their op schemas before it loads).

@@ -142,6 +142,19 @@ def test_plan_for_other_torch_is_refused(tiny_plan, tmp_path):
         load_plan(bad)
 
 
+def test_plan_for_other_kernel_ops_is_refused(tiny_plan, tmp_path):
+    """A plan whose kernels were compiled against other op schemas (or before they were
+    recorded) is refused before its libraries load (torch would abort the process)."""
+    assert json.loads((tiny_plan / "plan.json").read_text())["toolchain"]["ops"]
+    for name, ops in (("other", "0123456789abcdef"), ("unrecorded", None)):
+        edit = (lambda m, o=ops: m["toolchain"].update(ops=o) if o else
+                m["toolchain"].pop("ops"))
+        bad = copy_with_manifest(tiny_plan, tmp_path / name, edit)
+        with pytest.raises(PlanError, match=r"kernel ops differ.*Rebuild") as e:
+            load_plan(bad)
+        assert e.value.field == "toolchain.ops"
+
+
 def test_wrong_format_version_is_refused(tiny_plan, tmp_path):
     bad = copy_with_manifest(tiny_plan, tmp_path / "plan",
                              lambda m: m.update(format_version=99))

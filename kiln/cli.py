@@ -328,6 +328,21 @@ def unpack(layout: Path = typer.Argument(..., help="an OCI layout written by kil
         _fail(str(e))
     typer.echo(f"unpacked {p.name} into {p.path} (plan digest {p.digest})")
 
+@app.command()
+def deploy(plan: Path = typer.Argument(..., help="a plan directory"),
+           out: Path = typer.Option(..., "--out", help="write the Helm chart under here"),
+           values: Optional[Path] = typer.Option(None, "--values",
+                                                 help="YAML values laid over the plan's")):
+    """Write a Helm chart serving the plan (Deployment, Service, probes, PodDisruptionBudget,
+    queue-depth autoscaling, KServe runtime), sized from its manifest."""
+    from kiln.runtime.tools.deploy import DeployError, write_chart
+
+    try:
+        chart = write_chart(plan, out, values)
+    except DeployError as e:
+        _fail(str(e))
+    typer.echo(f"wrote chart {chart}")
+
 from kiln.ci_cli import app as ci_app  # noqa: E402  (builder.plan_ci is imported inside its commands)
 
 app.add_typer(ci_app, name="ci")

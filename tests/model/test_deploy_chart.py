@@ -1,0 +1,121 @@
+"""`kiln deploy PLAN --out DIR`: the Helm chart renders (helm's own library, offline), lints
+clean, and every object validates strictly against the Kubernetes schemas; values that
+cannot hold the plan and plans that fail their checksums are refused before any pod."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from kiln.runtime.tools.deploy import DeployError, plan_sizing, verified_manifest, write_chart
+
+helm = pytest.importorskip("helm_python")
+kv = pytest.importorskip("kubernetes_validate")
+
+pytestmark = pytest.mark.model
+KUBE = "1.35.0"
+ALL_ON = {"kserve": {"enabled": True}, "openai": {"enabled": True},
+          "autoscaling": {"hpa": {"enabled": False}, "keda": {"enabled": True}},
+          "plan": {"image": "registry.example/plans/tiny@sha256:" + "0" * 64,
+                   "digest": "a" * 64}}
+
+
+def render(chart, values=None) -> dict[str, dict]:
+    """kind -> the rendered object (one of each kind in this chart)."""
+    out = {}
+    for text in helm.Chart.load(str(chart)).render(values or {}, name="rel",
+                                                   namespace="ns").values():
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                assert doc["kind"] not in out
+                out[doc["kind"]] = doc
+    return out
+
+
+@pytest.fixture(scope="module")
+def chart(tiny_plan, tmp_path_factory):
+    return write_chart(tiny_plan, tmp_path_factory.mktemp("chart"))
+
+
+def test_chart_lints_and_every_object_validates(chart):
+    report = helm.lint(str(chart), strict=True)
+    assert report["errors"] == [] and report["messages"] == [], report
+    seen = set()
+    for values in ({}, ALL_ON):
+        for kind, obj in render(chart, values).items():
+            seen.add(kind)
+            if obj["apiVersion"].split("/")[0] in ("keda.sh", "serving.kserve.io"):
+                continue    # custom resources: checked field by field below
+            kv.validate(obj, KUBE, strict=True)
+    assert seen == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                    "ScaledObject", "ServingRuntime", "InferenceService"}
+
+
+def test_pod_is_sized_and_probed_from_the_plan(chart, tiny_plan):
+    sizing = plan_sizing(verified_manifest(tiny_plan))
+    objs = render(chart)
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    assert c["command"] == ["kiln"] and c["args"][:2] == ["serve", "/models/tiny-random"]
+    threads = [a for a in c["args"] if a.startswith("--threads=")]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert threads == [f"--threads={env['OMP_NUM_THREADS']}"]
+    assert c["resources"]["limits"]["cpu"] == env["OMP_NUM_THREADS"]
+    assert int(c["resources"]["limits"]["memory"]) >= sizing.floor_bytes
+    start, live = c["startupProbe"], c["livenessProbe"]
+    assert start["grpc"]["port"] == live["grpc"]["port"] == 8001
+    assert start["periodSeconds"] * start["failureThreshold"] >= sizing.startup_seconds
+    drain = int(next(a for a in c["args"] if a.startswith("--drain-seconds=")).split("=")[1])
+    assert live["periodSeconds"] * live["failureThreshold"] > drain    # never cuts a drain
+    assert pod["terminationGracePeriodSeconds"] > drain
+    assert c["readinessProbe"]["grpc"]["service"] == "inference.GRPCInferenceService"
+    [grpc_port] = [p for p in objs["Service"]["spec"]["ports"] if p["port"] == 8001]
+    assert grpc_port["name"] == "h2c" and grpc_port["appProtocol"] == "kubernetes.io/h2c"
+    hpa = objs["HorizontalPodAutoscaler"]["spec"]["metrics"][0]["pods"]
+    assert hpa["metric"]["name"] == "kiln_queue_length"
+
+
+def test_kserve_runtime_and_oci_plan_volume(chart):
+    objs = render(chart, ALL_ON)
+    runtime = objs["ServingRuntime"]["spec"]
+    assert runtime["supportedModelFormats"][0]["name"] == "kiln-plan"
+    assert runtime["protocolVersions"] == ["v2", "grpc-v2"]
+    isvc = objs["InferenceService"]["spec"]["predictor"]["model"]
+    assert isvc["modelFormat"]["name"] == "kiln-plan" and isvc["runtime"] == "rel-tiny-random"
+    assert "triggers" in objs["ScaledObject"]["spec"]
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    assert pod["volumes"][0]["image"]["reference"] == ALL_ON["plan"]["image"]
+    assert "--expect-digest=" + "a" * 64 in pod["containers"][0]["args"]
+    assert pod["containers"][0]["args"][1] == "/oci/models/tiny-random"
+
+
+def test_hpa_and_keda_together_fail_to_render(chart):
+    with pytest.raises(helm.HelmError, match="not both"):
+        render(chart, {"autoscaling": {"keda": {"enabled": True}}})
+
+
+def test_memory_below_weights_and_kv_is_refused_with_the_arithmetic(tiny_plan, tmp_path):
+    sizing = plan_sizing(verified_manifest(tiny_plan))
+    values = tmp_path / "v.yaml"
+    values.write_text(f"resources:\n  memory: {sizing.floor_bytes - 1}\n")
+    r = subprocess.run([sys.executable, "-m", "kiln.cli", "deploy", str(tiny_plan), "--out",
+                        str(tmp_path / "out"), "--values", str(values)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert (f"weights {sizing.weights_bytes} + KV pool {sizing.kv_bytes} = "
+            f"{sizing.floor_bytes} bytes") in r.stderr
+    assert not (tmp_path / "out").exists()
+    values.write_text("threads: 0\n")
+    with pytest.raises(DeployError, match="threads"):
+        write_chart(tiny_plan, tmp_path / "out", values)
+
+
+def test_a_plan_failing_its_checksums_is_refused(tiny_plan, tmp_path):
+    plan = shutil.copytree(tiny_plan, tmp_path / "plan")
+    tok = plan / "tokenizer.json"
+    tok.write_bytes(tok.read_bytes().replace(b"{", b"[", 1))
+    with pytest.raises(DeployError, match="tokenizer.json does not match plan.json"):
+        write_chart(plan, tmp_path / "out")

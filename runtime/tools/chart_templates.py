@@ -102,6 +102,8 @@ spec:
           env:
             - name: OMP_NUM_THREADS
               value: {{ .Values.threads | quote }}
+            - name: HOME    # caches (torch, triton) go to the writable emptyDir
+              value: /tmp
           ports:
             - name: h2c
               containerPort: {{ .Values.ports.grpc }}

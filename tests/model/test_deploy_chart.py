@@ -3,9 +3,13 @@ clean, and every object validates strictly against the Kubernetes schemas; value
 cannot hold the plan and plans that fail their checksums are refused before any pod."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -119,3 +123,63 @@ def test_a_plan_failing_its_checksums_is_refused(tiny_plan, tmp_path):
     tok.write_bytes(tok.read_bytes().replace(b"{", b"[", 1))
     with pytest.raises(DeployError, match="tokenizer.json does not match plan.json"):
         write_chart(plan, tmp_path / "out")
+
+
+def test_rendered_container_serves_the_packaged_plan(tiny_plan, chart, tmp_path):
+    """The Deployment's command, args and env, run as they are on loopback against the plan
+    unpacked from its OCI image where the image volume puts it: the probes' gRPC health
+    services report SERVING, and SIGTERM drains to exit 0."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    import grpc
+
+    from tests.server_helpers import free_port
+    from kiln.runtime.tools.package import package_plan, unpack_layout
+
+    packaged = package_plan(tiny_plan, tmp_path / "oci")
+    root = tmp_path / "image-volume"
+    unpack_layout(tmp_path / "oci", root / "models" / packaged.name)
+    ports = {"grpc": free_port(), "metrics": free_port(), "http": free_port()}
+    objs = render(chart, {"plan": {"image": "registry.example/p@" + packaged.manifest.digest,
+                                   "digest": packaged.plan_digest},
+                          "ports": ports, "threads": 1})
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    [c] = pod["containers"]
+    [mount] = [m for m in c["volumeMounts"] if m["name"] == "plan"]
+    args = [a.replace(mount["mountPath"], str(root), 1) if a.startswith(mount["mountPath"])
+            else a for a in c["args"]]
+    exe = shutil.which(c["command"][0], path=str(Path(sys.executable).parent))
+    env = dict(os.environ, **{e["name"]: e["value"] for e in c["env"]})
+    env["HOME"] = str(tmp_path)   # the pod's /tmp emptyDir
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen([exe, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{ports['grpc']}") as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                service = c[probe]["grpc"]["service"]
+                budget = c[probe]["periodSeconds"] * c[probe]["failureThreshold"]
+                assert _wait_serving(stub, service, proc, max(budget, 120)), (
+                    probe, (tmp_path / "serve.log").read_text()[-3000:])
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(pod["terminationGracePeriodSeconds"]) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _wait_serving(stub, service: str, proc, seconds: float) -> bool:
+    from grpc_health.v1 import health_pb2
+    import grpc
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            r = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    return False

@@ -37,6 +37,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "kiln.args" -}}
 - serve
 - {{ include "kiln.planPath" . }}
+{{ include "kiln.flags" . }}
+{{- end -}}
+{{- define "kiln.flags" -}}
 - --host=0.0.0.0
 - --port={{ .Values.ports.grpc }}
 - --metrics-host=0.0.0.0
@@ -273,13 +276,7 @@ spec:
       args:
         - serve
         - /mnt/models/{{ .Values.plan.name }}
-        - --host=0.0.0.0
-        - --port={{ .Values.ports.grpc }}
-        - --metrics-host=0.0.0.0
-        - --metrics-port={{ .Values.ports.metrics }}
-        - --model-name={{ .Values.modelName }}
-        - --threads={{ .Values.threads }}
-        - --drain-seconds={{ .Values.drainSeconds }}
+        {{- include "kiln.flags" . | nindent 8 }}
       env:
         - name: OMP_NUM_THREADS
           value: {{ .Values.threads | quote }}

@@ -121,7 +121,19 @@ def test_weights_digest_is_stable_and_cached(tmp_path, digest_cache):
 
 # --- GGUF written from a HF model ----------------------------------------------------------
 
-def _add_experts(w, hf_model):
+def _add_weight(w, name: str, t: np.ndarray, dtype=np.float32, qtype: str | None = None):
+    """A weight (2-D, or 3-D expert stack) as `dtype`, or quantized with gguf's own
+    quantizer when qtype names a GGML type (e.g. "Q8_0"; benches write llama.cpp-sized files)."""
+    if qtype is None:
+        w.add_tensor(name, t.astype(dtype))
+        return
+    import gguf
+    kind = gguf.GGMLQuantizationType[qtype]
+    w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(t, np.float32), kind),
+                 raw_dtype=kind)
+
+
+def _add_experts(w, hf_model, qtype: str | None = None):
     """llama.cpp's MoE keys and stacked expert tensors of a transformers Mixtral / Qwen3-MoE
     (in memory: mlp.experts.gate_up_proj [E, 2I, H], down_proj [E, H, I]); nothing for a
     dense model."""
@@ -139,13 +151,13 @@ def _add_experts(w, hf_model):
         if name.endswith(".mlp.gate.weight"):
             w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", t)
         elif name.endswith(".mlp.experts.gate_up_proj"):
-            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(t[:, :inter]))
-            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(t[:, inter:]))
+            _add_weight(w, f"blk.{i}.ffn_gate_exps.weight", t[:, :inter], qtype=qtype)
+            _add_weight(w, f"blk.{i}.ffn_up_exps.weight", t[:, inter:], qtype=qtype)
         elif name.endswith(".mlp.experts.down_proj"):
-            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", t)
+            _add_weight(w, f"blk.{i}.ffn_down_exps.weight", t, qtype=qtype)
 
 
-def _write_gguf(path, family: str, hf_model, dtype=np.float32):
+def _write_gguf(path, family: str, hf_model, dtype=np.float32, qtype: str | None = None):
     import gguf
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), family)
@@ -166,12 +178,19 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
     elif family == "llama" and getattr(cfg, "sliding_window", None):   # Mistral's window
         w.add_sliding_window(cfg.sliding_window)
     tok = json.loads(byte_level(VOCAB, 1, 2))
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    merges = []
+    if qtype is not None:   # llama.cpp (which benches run on these files) needs BPE merges:
+        pairs = [(a, b) for a in "etaoin" for b in "etaoin"]   # some reserved ids become merges
+        slots = [i for i, t in enumerate(tokens) if t.startswith("<|reserved_")][-len(pairs):]
+        for i, (a, b) in zip(slots, pairs):
+            tokens[i] = a + b
+            merges.append(f"{a} {b}")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2" if family == "qwen2" else "smollm")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t, _ in vocab])
-    w.add_token_merges([])
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t in tokens])
+    w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
@@ -202,8 +221,11 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32):
                 t = permute_rope(t, cfg.num_attention_heads)
             elif family == "llama" and ".attn_k." in out:
                 t = permute_rope(t, cfg.num_key_value_heads)
-        w.add_tensor(out, t.numpy().astype(dtype if t.ndim == 2 else np.float32))
-    _add_experts(w, hf_model)
+        if t.ndim == 2:
+            _add_weight(w, out, t.numpy(), dtype, qtype)
+        else:
+            w.add_tensor(out, t.numpy().astype(np.float32))
+    _add_experts(w, hf_model, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

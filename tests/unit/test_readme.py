@@ -15,7 +15,7 @@ README = ROOT / "README.md"
 MAX_README_LINES = 500
 # Documents a user reads; docs/JOURNAL.md (the history) may hold dates and work-tracking words.
 PRODUCT_DOCS = ["README.md", "docs/PERFORMANCE.md", "docs/ARCHITECTURE.md", "docs/KERNELS.md",
-                "docs/SERVING.md",
+                "docs/SERVING.md", "docs/DEPLOY.md",
                 "ci/README.md"]
 MONTHS = "Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec"
 FORBIDDEN = {

@@ -26,6 +26,7 @@ from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
 from kiln.contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
                                      KVCacheSection, LimitsSection, ModelSection, PlanManifest,
                                      PrecisionSection, QuantizationRecord, SchedulerSection,
+                                     SpeculativeSection,
                                      TargetSection, ToolchainSection)
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
@@ -316,6 +317,8 @@ def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp:
         check=built.check,
         accuracy=built.accuracy,
         files=files,
+        speculative=(None if spec.speculative is None else
+                     SpeculativeSection(**spec.speculative.model_dump(mode="json"))),
     )
 
 

@@ -226,6 +226,24 @@ class SchedulerSpec(_Strict):
     max_queue: int = Field(default=1024, ge=1, description="bound of the waiting queue")
 
 
+class SpeculativeSpec(_Strict):
+    method: Literal["ngram"] = Field(description="ngram: prompt lookup, drafts copied from "
+                                     "earlier in the prompt and output")
+    max_draft_tokens: int = Field(default=4, ge=1, le=32, description="drafts per sequence "
+                                  "per step (k)")
+    ngram_min: int = Field(default=1, ge=1, le=16, description="shortest suffix looked up")
+    ngram_max: int = Field(default=4, ge=1, le=16, description="longest suffix looked up")
+    max_batch: int = Field(default=4, ge=1, description="speculate only in steps with at most "
+                           "this many decoding sequences")
+
+    @model_validator(mode="after")
+    def _ngram_range(self):
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must be at most ngram_max "
+                             f"({self.ngram_max})")
+        return self
+
+
 class AccuracySpec(_Strict):
     max_ppl_increase: Optional[float] = Field(
         default=None, ge=0, description="largest relative perplexity increase over the "
@@ -251,6 +269,7 @@ class Spec(_Strict):
     limits: LimitsSpec = LimitsSpec()
     kv_cache: KVCacheSpec = KVCacheSpec()
     scheduler: SchedulerSpec = SchedulerSpec()
+    speculative: Optional[SpeculativeSpec] = None
     accuracy: AccuracySpec = AccuracySpec()
     golden: tuple[GoldenPrompt, ...] = ()
     golden_agreement: Optional[float] = Field(
@@ -306,6 +325,17 @@ class Spec(_Strict):
                              f"targets; target.device is {self.target.device!r} (leave isa auto)")
         if self.target.is_gpu:
             _check_gpu_precision(self)
+        sp, lim = self.speculative, self.limits
+        if sp is not None:
+            batch = min(sp.max_batch, lim.max_batch_size)
+            if lim.max_num_tokens < batch * (sp.max_draft_tokens + 1):
+                raise _PathError("speculative.max_draft_tokens", f"{batch} speculating "
+                                 f"sequences (min of speculative.max_batch, "
+                                 f"limits.max_batch_size) x (max_draft_tokens "
+                                 f"{sp.max_draft_tokens} + 1) = "
+                                 f"{batch * (sp.max_draft_tokens + 1)} tokens exceed "
+                                 f"limits.max_num_tokens ({lim.max_num_tokens}): raise "
+                                 "max_num_tokens or lower max_draft_tokens or max_batch")
         return self
 
     @property
@@ -339,8 +369,9 @@ class Spec(_Strict):
     def canonical(self) -> dict:
         """The resolved spec as plain data, defaults filled in (stable for hashing)."""
         data = self.model_dump(mode="json")
-        if data["golden_agreement"] is None:   # added later: unset keeps old fingerprints
-            del data["golden_agreement"]
+        for key in ("golden_agreement", "speculative"):   # added later: unset keeps old
+            if data[key] is None:                          # fingerprints
+                del data[key]
         return data
 
     def canonical_json(self) -> str:

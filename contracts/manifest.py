@@ -289,6 +289,25 @@ class SchedulerSection(_Section):
 
 
 @dataclass(frozen=True)
+class SpeculativeSection(_Section):
+    """speculative: speculative decoding of greedy requests (runtime/speculative.py). The
+    step needs nothing new: a sequence's row carries its drafts, with logits at each."""
+    method: str             # ngram
+    max_draft_tokens: int   # drafts per sequence per step
+    ngram_min: int          # shortest suffix looked up
+    ngram_max: int          # longest suffix looked up
+    max_batch: int          # speculate only in steps with at most this many decodes
+
+    def _validate(self, path: str) -> None:
+        if self.method != "ngram":
+            raise ManifestError(f"{path}.method", f"{self.method!r}; this kiln knows ngram")
+        if not 1 <= self.ngram_min <= self.ngram_max or min(self.max_draft_tokens,
+                                                              self.max_batch) < 1:
+            raise ManifestError(path, "needs 1 <= ngram_min <= ngram_max, max_draft_tokens "
+                                ">= 1 and max_batch >= 1")
+
+
+@dataclass(frozen=True)
 class EngineSection(_Section):
     """engine: the compiled step and what must be loaded before it."""
     backend: str                     # aoti | eager
@@ -373,6 +392,7 @@ class PlanManifest(_Section):
     check: Optional[CheckSection]
     accuracy: Optional[AccuracyRecord]   # the accuracy gate's record (quantized plans)
     files: dict[str, FileEntry]      # every other file of the plan: size and sha256
+    speculative: Optional[SpeculativeSection] = None   # absent: no speculative decoding
 
     @classmethod
     def from_json(cls, data: Any) -> "PlanManifest":
@@ -389,6 +409,12 @@ class PlanManifest(_Section):
     @classmethod
     def loads(cls, text: str) -> "PlanManifest":
         return cls.from_json(json.loads(text))
+
+    def to_json(self) -> dict:
+        data = super().to_json()
+        if data["speculative"] is None:    # a plan without it is written as before
+            del data["speculative"]
+        return data
 
     def dumps(self) -> str:
         """plan.json's text."""

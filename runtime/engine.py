@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from kiln.contracts import FieldError, default_input_len
-from kiln.plugins.inflight_batching import (RequestRefused, Scheduler, SchedulerConfig,
+from kiln.plugins.inflight_batching import (DraftPolicy, RequestRefused, Scheduler,
+                                            SchedulerConfig,
                                        SchedulerOutput, SequenceStatus, StepOutput, TokenSequence)
 from kiln.runtime.compute import enter_engine_thread
 from kiln.runtime.executor import Executor
@@ -33,6 +34,7 @@ from kiln.runtime.guided import (CompileBusy, GrammarCache, Guide, GuidedDecodin
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.plan import Plan, load_plan
 from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
+from kiln.runtime.speculative import NgramIndex, SpeculativeConfig
 from kiln.runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
                              Usage, hold_posts, release_posts)
 from kiln.runtime.tokenizer import Tokenizer
@@ -96,10 +98,13 @@ class EngineConfig(SchedulerConfig):
 
 class _Request:
     """Engine-thread bookkeeping of one request."""
-    __slots__ = ("seq", "stream", "detok", "arrival", "first_token", "last_token")
+    __slots__ = ("seq", "stream", "detok", "arrival", "first_token", "last_token", "sent",
+                 "lookup")
 
     def __init__(self, seq: TokenSequence, stream: RequestStream, detok):
         self.seq, self.stream, self.detok = seq, stream, detok
+        self.sent = seq.num_tokens       # tokens of seq.token_ids delivered (or the prompt)
+        self.lookup: Optional[NgramIndex] = None   # its n-gram drafts' index, once it drafts
         self.arrival = seq.arrival_time
         self.first_token: Optional[float] = None
         self.last_token: Optional[float] = None
@@ -126,10 +131,12 @@ class Engine:
     def __init__(self, executor: Executor, tokenizer: Tokenizer, config: EngineConfig,
                  start: bool = True, vocab_size: Optional[int] = None,
                  num_threads: Optional[int] = None,
-                 guided_limits: Optional[GuidedLimits] = None):
+                 guided_limits: Optional[GuidedLimits] = None,
+                 speculative: Optional[SpeculativeConfig] = None):
         """vocab_size: the model's (the logits' width; default the tokenizer's). num_threads:
         the engine thread's compute threads (runtime/compute.py; default: torch's).
-        guided_limits: what output constraints may cost (runtime/guided.py)."""
+        guided_limits: what output constraints may cost (runtime/guided.py). speculative:
+        n-gram speculative decoding of greedy requests (runtime/speculative.py; None: off)."""
         self.num_threads = num_threads
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
@@ -137,7 +144,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.executor = executor
-        self.scheduler = Scheduler(config, executor.layout.num_blocks)
+        self.speculative = speculative
+        self.scheduler = Scheduler(config, executor.layout.num_blocks, None if speculative is None
+                                   else DraftPolicy(speculative.max_batch, self._propose))
         self.model_runner = ModelRunner(executor, Sampler())
         self._requests: dict[str, _Request] = {}
         self._inbox: list[InboxMessage] = []   # from callers, applied between steps
@@ -169,13 +178,21 @@ class Engine:
     @classmethod
     def from_plan(cls, plan: Union[str, Path, Plan], kv_budget_bytes: Optional[int] = None,
                   start: bool = True, num_threads: Optional[int] = None,
-                  guided_limits: Optional[GuidedLimits] = None, **overrides) -> "Engine":
-        """Load a built plan. `overrides`: EngineConfig fields; limits only lowered."""
+                  guided_limits: Optional[GuidedLimits] = None,
+                  speculative: Union[bool, SpeculativeConfig] = True,
+                  **overrides) -> "Engine":
+        """Load a built plan. `overrides`: EngineConfig fields; limits only lowered.
+        speculative: True = the plan's speculative section (if any), False = off, or a
+        configuration of its own."""
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
+        if speculative is True:
+            section = plan.manifest.speculative
+            speculative = None if section is None else SpeculativeConfig(**section.to_json())
         return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
                    config, start=start, vocab_size=plan.shape.vocab_size,
-                   num_threads=num_threads, guided_limits=guided_limits)
+                   num_threads=num_threads, guided_limits=guided_limits,
+                   speculative=speculative or None)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -183,6 +200,21 @@ class Engine:
         scheduler_output = self.scheduler.schedule()
         step_output = self.model_runner.execute(scheduler_output)
         return self.update(scheduler_output, step_output)
+
+    def _propose(self, seq: TokenSequence, k: int) -> list[int]:
+        """Up to k n-gram drafts for a greedy request without a constraint or logprobs; []
+        for any other (they decode one token a step)."""
+        state = seq.sampling
+        if (state is None or not state.params.greedy or state.guide is not None
+                or state.params.logprobs is not None):
+            return []
+        req = self._requests.get(seq.request_id)
+        if req is None:
+            return []
+        if req.lookup is None:
+            spec = self.speculative
+            req.lookup = NgramIndex(spec.ngram_min, spec.ngram_max)
+        return req.lookup.propose(seq.token_ids, min(k, self.speculative.max_draft_tokens))
 
     def update(self, sched: SchedulerOutput, step: StepOutput) -> list[RequestOutput]:
         """Apply a step's tokens; deliver one output per request that advanced."""
@@ -427,8 +459,12 @@ class Engine:
         if req.first_token is None:
             req.first_token = now
         req.last_token = now
-        tok = seq.token_ids[-1]
-        text, stop = req.detok.step([tok])
+        toks = seq.token_ids[req.sent:]
+        if len(toks) == 1:
+            text, stop = req.detok.step(toks)
+        else:
+            text, stop, toks = self._detok_each(req, toks)
+        req.sent = seq.num_tokens
         if stop is not None and not seq.is_finished:
             seq.stop_reason = stop
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -436,14 +472,30 @@ class Engine:
         if guide is not None and guide.done and not seq.is_finished:   # the grammar is complete
             self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
         if not seq.is_finished:
-            out = self._output(req, [tok], text, None)
+            out = self._output(req, toks, text, None)
         else:
-            out = self._output(req, [tok], text + req.detok.flush(), seq.status.value)
+            out = self._output(req, toks, text + req.detok.flush(), seq.status.value)
             self._retire(req)
         if logprobs is not None:
             out = dataclasses.replace(out, logprobs=[logprobs])
         req.stream._put(out)
         return out
+
+    def _detok_each(self, req: _Request, toks: list[int]) -> tuple[str, object, list[int]]:
+        """Detokenize the several tokens of one step (accepted drafts) one by one, as that
+        many steps would: a stop string matched before the last ends the request there
+        and drops the tokens after it. -> (text, stop string or None, the tokens kept)."""
+        seq, text = req.seq, ""
+        for j, t in enumerate(toks):
+            piece, stop = req.detok.step([t])
+            text += piece
+            if stop is not None:
+                if j + 1 < len(toks):
+                    self.scheduler.truncate_output(seq, req.sent + j + 1)
+                    if seq.is_finished:   # a stop token or max_tokens came later: too late
+                        seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                return text, stop, toks[:j + 1]
+        return text, None, toks
 
     def _finish(self, req: _Request, reason: str, error: Optional[str] = None) -> None:
         """End a request outside the token path (cancelled, error, shutdown)."""
@@ -482,6 +534,8 @@ class Engine:
                 "prefix_cache_hit_tokens": s.prefix_hit_tokens,
                 "preemptions": self.scheduler.num_preemptions,
                 "tokens_generated": self.scheduler.num_generated_tokens,
+                "spec_draft_tokens": self.model_runner.num_drafted,
+                "spec_accepted_tokens": self.model_runner.num_accepted,
                 "requests_finished": self.num_finished}
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -42,14 +42,26 @@ class ModelRunner:
         # engine: release the outputs its thread holds, runtime/streams.hold_posts)
         self.before_launch: Optional[Callable[[], None]] = None
         self.tokens_per_block = executor.layout.tokens_per_block
+        self.num_drafted = 0      # speculative decoding: draft tokens verified
+        self.num_accepted = 0     # of those, kept
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
-        """Pack the scheduled tokens of each sequence (ModelInput.build: the one packer)."""
+        """Pack the scheduled tokens of each sequence (ModelInput.build: the one packer).
+        A sequence with drafts brings [its last token, drafts...] and wants logits at each."""
         starts = [s.num_computed_tokens for s in out.seqs]
-        return ModelInput.build(
-            [s.token_ids[st:st + k] for s, st, k in zip(out.seqs, starts,
-                                                         out.num_scheduled_tokens)],
-            starts, [s.block_table for s in out.seqs], self.tokens_per_block)
+        tables = [s.block_table for s in out.seqs]
+        if not out.drafts:
+            return ModelInput.build(
+                [s.token_ids[st:st + k] for s, st, k in zip(out.seqs, starts,
+                                                             out.num_scheduled_tokens)],
+                starts, tables, self.tokens_per_block)
+        rows, wanted, end = [], [], 0
+        for i, (s, st, k) in enumerate(zip(out.seqs, starts, out.num_scheduled_tokens)):
+            d = out.drafts.get(i, ())
+            rows.append(s.token_ids[st:st + k - len(d)] + list(d))
+            end += k
+            wanted.extend(range(end - len(d) - 1, end))
+        return ModelInput.build(rows, starts, tables, self.tokens_per_block, wanted)
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
         if out.is_empty:
@@ -60,6 +72,10 @@ class ModelRunner:
         if self.before_launch is not None:
             self.before_launch()
         logits = self.executor.execute(batch)                        # [B, vocab]
+        drafted = logits
+        if out.drafts:   # one row per sequence: its first position (the last real token)
+            firsts = self._first_rows(out)
+            logits = drafted[firsts]
         rows = [i for i, s in enumerate(out.sample) if s]
         sampled: list[Optional[int]] = [None] * len(out.seqs)
         errors: dict[str, str] = {}
@@ -83,14 +99,62 @@ class ModelRunner:
                 self._advance(seqs, guided[0], toks, errors)
             for i, t in zip(rows, toks):
                 sampled[i] = t
+            accepted = self._verify(out, drafted, firsts, sampled) if out.drafts else {}
             asked = [j for j, s in enumerate(seqs)
                      if s.sampling.params.logprobs is not None and toks[j] is not None]
             if asked:   # only requests that ask pay for a log_softmax
                 lps = self.sampler.logprobs(rl[asked], [toks[j] for j in asked],
                                             [seqs[j].sampling.params.logprobs for j in asked])
                 return SampledOutput(sampled, {seqs[j].request_id: lp
-                                               for j, lp in zip(asked, lps)}, errors)
+                                               for j, lp in zip(asked, lps)}, errors,
+                                     num_accepted=accepted)
+            return SampledOutput(sampled, {}, errors, num_accepted=accepted)
         return SampledOutput(sampled, {}, errors)
+
+    @staticmethod
+    def _first_rows(out: SchedulerOutput) -> list[int]:
+        """The logit row of each sequence's first wanted position (prepare's layout)."""
+        firsts, r = [], 0
+        for i in range(len(out.seqs)):
+            firsts.append(r)
+            r += 1 + len(out.drafts.get(i, ()))
+        return firsts
+
+    def _verify(self, out: SchedulerOutput, logits: torch.Tensor, firsts: list[int],
+                sampled: list[Optional[int]]) -> dict[int, int]:
+        """Exact greedy verification: the target's token at each draft position, sampled as
+        a plain step would (same sampler, the history as if the drafts before were kept);
+        drafts are kept while each equals the target's token at its position, and the target's
+        token after the last kept one becomes the sequence's token. -> accepted per row."""
+        rows, states, hists, prompts, owners = [], [], [], [], []
+        for i, d in out.drafts.items():
+            s = out.seqs[i]
+            if sampled[i] is None:
+                continue
+            for j in range(1, len(d) + 1):   # row first+j scores the token after d[j-1]
+                rows.append(firsts[i] + j)
+                states.append(s.sampling)
+                hists.append(s.token_ids + d[:j])
+                prompts.append(s.num_prompt_tokens)
+            owners.append(i)
+        accepted: dict[int, int] = {}
+        try:
+            toks = self.sampler(logits[rows], states, hists, prompts) if rows else []
+        except Exception:   # verification is an optimization: keep the plain token
+            log.exception("draft verification failed; the step keeps one token per sequence")
+            return {i: 0 for i in owners}
+        at = 0
+        for i in owners:
+            d = out.drafts[i]
+            target = [sampled[i]] + toks[at:at + len(d)]
+            at += len(d)
+            a = 0
+            while a < len(d) and d[a] == target[a]:
+                a += 1
+            sampled[i], accepted[i] = target[a], a
+            self.num_drafted += len(d)
+            self.num_accepted += a
+        return accepted
 
     def _masks(self, seqs: list[TokenSequence], vocab: int, errors: dict[str, str]
                ) -> tuple[Optional[tuple[list[int], torch.Tensor]], set[int]]:

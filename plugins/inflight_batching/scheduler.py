@@ -27,7 +27,7 @@ import enum
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from kiln.contracts import FieldError, default_input_len
 from kiln.plugins.paged_kv.block_pool import BlockPool
@@ -141,6 +141,9 @@ class SchedulerOutput:
     sample: list[bool] = field(default_factory=list)
     preempted: list[TokenSequence] = field(default_factory=list)  # preempted while scheduling
     total_num_tokens: int = 0                             # sum(num_scheduled_tokens)
+    # seqs[i] -> the draft tokens appended to its row (speculative decoding; counted in
+    # num_scheduled_tokens); only the sequences that draft this step
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @classmethod
     def make_empty(cls) -> "SchedulerOutput":
@@ -157,13 +160,26 @@ class StepOutput:
     # seqs[i] -> its new token. None: mid-prefill; or, where seqs[i] was to sample, deferred
     # (no token this step: its last scheduled token is computed again next step)
     sampled_token_ids: list[Optional[int]]
+    # seqs[i] -> how many of its drafts were kept (the target's token follows them)
+    num_accepted: dict[int, int] = field(default_factory=dict, kw_only=True)
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    """Speculative decoding as the scheduler sees it: `propose(seq, k)` -> up to k draft
+    tokens for a decoding sequence ([] for one that does not speculate), asked only in steps
+    with at most `max_batch` decoding sequences."""
+    max_batch: int
+    propose: Callable[["TokenSequence", int], list[int]]
 
 
 class Scheduler:
     """Waiting and running queues over a BlockPool; see the module docstring."""
 
-    def __init__(self, config: SchedulerConfig, num_blocks: int):
+    def __init__(self, config: SchedulerConfig, num_blocks: int,
+                 drafts: Optional[DraftPolicy] = None):
         self.config = config
+        self.drafts = drafts
         self.pool = BlockPool(num_blocks, config.tokens_per_block, config.prefix_caching)
         self.waiting: deque[TokenSequence] = deque()
         self.running: list[TokenSequence] = []      # admission order: running[-1] is the newest
@@ -237,15 +253,18 @@ class Scheduler:
         """Pick this step's sequences and token counts."""
         out = SchedulerOutput()
         budget = self.config.max_num_tokens
-        # 1. running decodes (one token each), oldest first; preempt the newest if blocks run out
+        # 1. running decodes (one token each, plus drafts when speculating), oldest first;
+        # preempt the newest if blocks run out
+        per_seq = self._draft_allowance()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 if not self._reserve_slot(seq, out):
                     break                  # seq itself was preempted (it was the newest)
-                self._put(out, seq, 1)
-                budget -= 1
+                drafts = self._draft(seq, min(per_seq, budget - 1)) if per_seq else []
+                self._put(out, seq, 1, drafts)
+                budget -= 1 + len(drafts)
             i += 1
         # 2. running prefill chunks (their prompt blocks were allocated at admission)
         for seq in self.running:
@@ -272,9 +291,14 @@ class Scheduler:
         finishes sequences on stop tokens / max_tokens / max_seq_len and frees their blocks.
         -> the sequences that received a token (finished ones included)."""
         touched = []
-        for seq, n, tok, sample in zip(out.seqs, out.num_scheduled_tokens,
-                                       step.sampled_token_ids, out.sample):
+        for i, (seq, n, tok, sample) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
+                                                      step.sampled_token_ids, out.sample)):
             if seq.is_finished:        # cancelled while the step ran
+                continue
+            if out.drafts and i in out.drafts:
+                if self._advance_drafted(seq, n, tok, out.drafts[i],
+                                         step.num_accepted.get(i, 0)):
+                    touched.append(seq)
                 continue
             if tok is None and sample:   # deferred by the sampler: its last token runs again
                 n -= 1
@@ -293,11 +317,80 @@ class Scheduler:
                 self.finish(seq, SequenceStatus.FINISHED_LENGTH)
         return touched
 
+    def truncate_output(self, seq: TokenSequence, num_tokens: int) -> None:
+        """Drop a finished sequence's tokens past `num_tokens` (a stop string matched before
+        the last of several tokens one step emitted)."""
+        dropped = max(0, seq.num_tokens - num_tokens)
+        del seq.token_ids[num_tokens:]
+        self.num_generated_tokens -= dropped
+
+    # ---- speculative decoding -------------------------------------------------------------
+    def _draft_allowance(self) -> int:
+        """Drafts each decoding sequence may bring this step (0: no speculation): only with
+        at most drafts.max_batch decodes, and only what the token budget leaves once every
+        decode has its own token."""
+        if self.drafts is None:
+            return 0
+        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        if not 0 < decodes <= self.drafts.max_batch:
+            return 0
+        return max(0, (self.config.max_num_tokens - decodes) // decodes)
+
+    def _draft(self, seq: TokenSequence, limit: int) -> list[int]:
+        """seq's drafts, at most `limit`, never past its last possible token (prompt +
+        max_tokens, max_seq_len), and only into blocks free now (drafts never preempt)."""
+        final = min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_seq_len)
+        limit = min(limit, final - seq.num_tokens)
+        drafts = self.drafts.propose(seq, limit)[:limit] if limit > 0 else []
+        m = len(drafts)
+        while m and not self.pool.can_append(seq.block_table, seq.num_tokens + m):
+            m -= 1
+        if m:
+            self.pool.may_append(seq.block_table, seq.num_tokens + m)
+        return drafts[:m]
+
+    def _advance_drafted(self, seq: TokenSequence, n: int, tok: Optional[int],
+                         drafts: list[int], accepted: int) -> bool:
+        """update() of a sequence whose row carried drafts: its KV keeps the accepted ones
+        (the rejected positions are rolled back by length, and blocks past the new length
+        freed); the accepted drafts then the target's token are appended and the stop rules
+        run on each in order, dropping whatever follows a finishing token. -> whether
+        tokens were appended."""
+        m = len(drafts)
+        if tok is None:               # no token (a failed row): nothing of the row is kept
+            accepted, n = 0, n - m - 1
+        seq.num_computed_tokens += n - (m - accepted)
+        start = seq.num_tokens
+        if tok is not None:
+            seq.token_ids.extend(drafts[:accepted])
+            seq.token_ids.append(tok)
+        self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self.pool.truncate(seq.block_table, max(seq.num_tokens, seq.num_computed_tokens))
+        for j in range(start, seq.num_tokens):
+            t = seq.token_ids[j]
+            self.num_generated_tokens += 1
+            out_len = j + 1 - seq.num_prompt_tokens
+            if t in seq.stop_token_ids and out_len >= seq.min_tokens:
+                seq.stop_reason = t
+                status = SequenceStatus.FINISHED_STOPPED
+            elif out_len >= seq.max_tokens or j + 1 >= self.config.max_seq_len:
+                status = SequenceStatus.FINISHED_LENGTH
+            else:
+                continue
+            del seq.token_ids[j + 1:]
+            self.finish(seq, status)
+            break
+        return tok is not None
+
     # ---- internals ----------------------------------------------------------------------------
-    def _put(self, out: SchedulerOutput, seq: TokenSequence, n: int) -> None:
+    def _put(self, out: SchedulerOutput, seq: TokenSequence, n: int,
+             drafts: Optional[list[int]] = None) -> None:
         out.seqs.append(seq)
-        out.num_scheduled_tokens.append(n)
         out.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
+        if drafts:
+            out.drafts[len(out.seqs) - 1] = drafts
+            n += len(drafts)
+        out.num_scheduled_tokens.append(n)
         out.total_num_tokens += n
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()

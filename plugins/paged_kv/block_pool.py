@@ -16,7 +16,7 @@ block reused) only when a fresh block is needed and no never-used block is left.
     block states:  free (no hash, ref 0) -> in use (ref >= 1) -> cached (hash, ref 0) -> ...
                    cached --prefix hit--> in use;   cached --evicted--> in use (new owner)
 
-Verbs: `hash_blocks`, `can_allocate`, `allocate`, `can_append`, `may_append`,
+Verbs: `hash_blocks`, `can_allocate`, `allocate`, `can_append`, `may_append`, `truncate`,
 `cache_blocks`, `free`.
 """
 from __future__ import annotations
@@ -151,6 +151,14 @@ class BlockPool:
         """Grow `block_table` in place to hold `num_tokens` tokens (no-op when it already does)."""
         for _ in range(self.blocks_for(num_tokens) - len(block_table)):
             block_table.append(self._take())
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Shrink `block_table` in place to the blocks `num_tokens` tokens need, freeing the
+        rest (the KV of rejected draft positions is rolled back by length)."""
+        keep = self.blocks_for(num_tokens)
+        if len(block_table) > keep:
+            self.free(block_table[keep:])
+            del block_table[keep:]
 
     def cache_blocks(self, block_table: Sequence[int], token_ids: Sequence[int],
                      num_computed_tokens: int) -> None:

@@ -1,8 +1,9 @@
 """Prometheus metrics (text format on --metrics-port; HTTPS when the server has TLS).
 
 Request-level series are recorded by the Frontend as requests end; engine-level series
-(queue, running batch, KV blocks, prefix cache, preemptions, generated tokens) are read from
-`Engine.stats()` at scrape time, so they are never stale and cost nothing between scrapes.
+(queue, running batch, KV blocks, prefix cache, preemptions, generated, drafted and accepted
+tokens) are read from `Engine.stats()` at scrape time, so they are never stale and cost
+nothing between scrapes.
 """
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ class _EngineCollector:
                                                  s["prefix_cache_queried_tokens"]),
             "kiln_prefix_cache_hit_tokens": ("prompt tokens found in the prefix cache",
                                              s["prefix_cache_hit_tokens"]),
+            "kiln_spec_draft_tokens": ("speculative decoding: draft tokens verified",
+                                       s["spec_draft_tokens"]),
+            "kiln_spec_accepted_tokens": ("speculative decoding: draft tokens kept (accepted / "
+                                          "drafted = acceptance rate)",
+                                          s["spec_accepted_tokens"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))

@@ -53,6 +53,8 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
                    f"{lim.max_input_len}, tokens/step {lim.max_num_tokens}"),
         ("kv cache", f"{kv_line}; {human_bytes(per_tok)}/token"),
         ("scheduler", ", ".join(f"{k}={v}" for k, v in sorted(m.scheduler.to_json().items()))),
+        *([("speculative", ", ".join(f"{k}={v}" for k, v in m.speculative.to_json().items()))]
+          if m.speculative else []),
         ("size", f"{human_bytes(m.total_bytes)} in {len(m.files)} files: " + ", ".join(
             f"{k} {human_bytes(v.size)}" for k, v in m.files.items())),
         ("fingerprint", m.fingerprint),

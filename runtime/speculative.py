@@ -1,0 +1,88 @@
+"""Speculative decoding: n-gram (prompt-lookup) drafts, verified exactly by the target plan.
+
+Per step, a greedy sequence's row is [last token, d1..dm] with logits at all m+1 positions;
+the drafts are kept while each equals the target's token at its position, then the target's
+own token follows, so a step emits 1..m+1 tokens and the output is the one greedy decoding
+gives token for token. The scheduler (plugins.inflight_batching) asks for drafts and rolls
+the KV of rejected positions back; the model runner verifies.
+
+    tokens:  a b c d x y a b c [?]      suffix "a b c" occurred at 0: propose "d x y"
+
+Which requests speculate: greedy ones without an output constraint or logprobs (sampled,
+guided and logprobs requests decode one token a step). Which steps: those with at most
+`max_batch` decoding sequences; a larger batch is closer to compute-bound, where the extra
+positions cost about what they save.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """The plan's speculative section, as the engine uses it."""
+    method: str = "ngram"
+    max_draft_tokens: int = 4     # k: drafts per sequence per step
+    ngram_min: int = 1            # shortest suffix looked up
+    ngram_max: int = 4            # longest suffix looked up (tried first)
+    max_batch: int = 4            # speculate only in steps with at most this many decodes
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"speculative.method {self.method!r} is not known; allowed: "
+                             f"{', '.join(METHODS)}")
+        if self.max_draft_tokens < 1 or self.max_batch < 1:
+            raise ValueError("speculative.max_draft_tokens and max_batch must be >= 1 (got "
+                             f"{self.max_draft_tokens}, {self.max_batch})")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"speculative: need 1 <= ngram_min ({self.ngram_min}) <= "
+                             f"ngram_max ({self.ngram_max})")
+
+
+class NgramIndex:
+    """One sequence's n-grams (n in [n_min, n_max]) -> the latest position each started at,
+    among those followed by at least one token. Grows with the sequence: each call indexes
+    only the tokens added since the last."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+        self._last: dict[tuple[int, ...], int] = {}
+        self._indexed = 0     # n-grams ending before this position are in _last
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """k tokens that followed the latest earlier occurrence of the longest suffix of
+        `tokens` (n_max down to n_min tokens; see _copy) -> [] when no suffix occurred
+        before."""
+        L = len(tokens)
+        if k < 1 or L < 2:
+            return []
+        self._extend(tokens, L - 1)   # n-grams ending before the last token have a follower
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            start = self._last.get(tuple(tokens[L - n:]))
+            if start is not None:
+                return _copy(tokens, start + n, k)
+        return []
+
+    def _extend(self, tokens: Sequence[int], end: int) -> None:
+        """Index every n-gram ending at a position in [_indexed, end)."""
+        last = self._last
+        for e in range(self._indexed, end):
+            for n in range(self.n_min, min(self.n_max, e + 1) + 1):
+                last[tuple(tokens[e + 1 - n:e + 1])] = e + 1 - n
+        self._indexed = max(self._indexed, end)
+
+
+
+def _copy(tokens: Sequence[int], src: int, k: int) -> list[int]:
+    """k tokens continuing `tokens` the way they went on after `src`, copied with overlap
+    (as LZ77 does): where the copy reaches the end of `tokens` it goes on from its own start,
+    so a pattern repeating every p tokens proposes k tokens, not just p."""
+    L = len(tokens)
+    out: list[int] = []
+    for i in range(k):
+        j = src + i
+        out.append(tokens[j] if j < L else out[j - L])
+    return out

@@ -112,7 +112,10 @@ def current_cmd(name: Optional[str] = typer.Argument(None, help="a spec name (de
                 store: Path = STORE,
                 digest: bool = typer.Option(False, "--digest", help="print the plan's digest "
                                             "(sha256 of its plan.json) instead of its directory: "
-                                            "kiln serve --expect-digest")):
+                                            "kiln serve --expect-digest"),
+                oci_digest: bool = typer.Option(False, "--oci-digest", help="print the "
+                                                "manifest digest of the OCI image kiln package "
+                                                "made of the plan")):
     """Print the current plan directory of a spec (or of every spec): `kiln serve $(kiln ci
     current NAME)`. Fails when the plan is not the one the pointer recorded (its digest)."""
     from kiln.builder.plan_ci.store import PlanStore
@@ -129,4 +132,9 @@ def current_cmd(name: Optional[str] = typer.Argument(None, help="a spec name (de
                   f"made current: its plan.json sha256 is {now or '(missing)'}, the pointer "
                   f"recorded {ptr.digest}. Run kiln ci rebuild, or roll back")
         shown = now if digest else str(s.plan_dir(ptr.fingerprint))
+        if oci_digest:
+            shown = (s.package(ptr.fingerprint) or {}).get("manifest_digest")
+            if not shown:
+                _fail(f"the current plan of {n!r} has not been packaged: kiln package "
+                      f"{s.plan_dir(ptr.fingerprint)} --oci DIR")
         typer.echo(shown if name else f"{n}\t{ptr.fingerprint[:12]}\t{shown}")

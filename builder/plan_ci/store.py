@@ -314,6 +314,7 @@ class PlanStore:
             for fp in removed:
                 self._remove(self.plan_dir(fp))
                 (self.records / f"{fp}.json").unlink(missing_ok=True)
+                (self.root / "packages" / f"{fp}.json").unlink(missing_ok=True)
             if removed and ptr is not None:
                 self._write_pointer(dataclasses.replace(
                     ptr, history=tuple(h for h in ptr.history if h not in removed)))

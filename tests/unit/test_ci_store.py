@@ -69,3 +69,23 @@ def test_pointer_is_replaced_atomically(tmp_path):
     assert [p.name for p in s.current_dir.iterdir()] == ["m.json"]   # no temp files left
     data = json.loads((s.current_dir / "m.json").read_text())
     assert data["fingerprint"] == "f1" and data["history"] == []
+
+
+def test_package_digest_is_recorded_beside_the_plan_and_pruned_with_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from kiln.cli import app
+
+    s = PlanStore(tmp_path / "store")
+    for i, fp in enumerate(["f1", "f2"]):
+        fake_plan(s, "m", fp, f"2025-01-0{i + 1}T00:00:00Z")
+        s.set_current("m", fp)
+    args = ["ci", "current", "m", "--store", str(s.root), "--oci-digest"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 1 and "has not been packaged" in r.output
+    s.record_package("f1", "sha256:" + "1" * 64, "sha256:" + "2" * 64, "3" * 64)
+    s.record_package("f2", "sha256:" + "4" * 64, "sha256:" + "5" * 64, "6" * 64)
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0 and r.output.strip() == "sha256:" + "4" * 64
+    assert s.prune("m", keep=1) == ["f1"]
+    assert s.package("f1") is None and s.package("f2")["plan_digest"] == "6" * 64

@@ -357,9 +357,8 @@ class Scheduler:
         run on each in order, dropping whatever follows a finishing token. -> whether
         tokens were appended."""
         m = len(drafts)
-        if tok is None:               # no token (a failed row): nothing of the row is kept
-            accepted, n = 0, n - m - 1
-        seq.num_computed_tokens += n - (m - accepted)
+        # no token (a failed row): nothing of the row is kept, its last token runs again
+        seq.num_computed_tokens += n - m - 1 if tok is None else n - (m - accepted)
         start = seq.num_tokens
         if tok is not None:
             seq.token_ids.extend(drafts[:accepted])

@@ -98,3 +98,12 @@ def test_scheduler_stop_rules_inside_accepted_drafts(max_tokens, stop, want, rea
     sched.update(out, StepOutput([5], num_accepted={0: len(out.drafts[0])}))
     assert seq.output_token_ids == want and seq.status.value == reason
     assert sched.num_generated_tokens == len(want) and sched.pool.stats().used_blocks == 0
+
+
+def test_scheduler_row_without_a_token_keeps_nothing():
+    sched, seq, out = _drafting([7, 8, 9])
+    sched.update(out, StepOutput([None]))      # its sampling failed: no token this step
+    assert seq.output_token_ids == [9] and seq.num_computed_tokens == 6
+    assert len(seq.block_table) == sched.pool.blocks_for(7)
+    out = sched.schedule()                      # its last token runs again, drafts and all
+    assert out.num_scheduled_tokens == [4] and out.drafts == {0: [7, 8, 9]}

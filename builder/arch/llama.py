@@ -16,6 +16,7 @@ from typing import Optional
 from kiln.builder.arch.blocks import DecoderModel, param_shapes, rope_inv_freq  # noqa: F401
 from kiln.builder.arch.config import DecoderConfig, RopeScaling, UnsupportedConfig  # noqa: F401
 from kiln.builder.arch.family import Family, hf_common
+from kiln.builder.arch.moe import dense_only, gguf_moe_rules
 from kiln.builder.arch.weights import Piece, Rule, pieces, unpermute_k, unpermute_q
 
 # The names the rest of kiln has always used for the decoder and its config.
@@ -135,5 +136,7 @@ FAMILY = Family(
     config_from_hf=config_from_hf,
     gguf_options=lambda arch, names: {"attention_bias": "blk.0.attn_q.bias" in names},
     hf_rules=hf_rules(), hf_ignore=HF_IGNORE, gguf_config=gguf_window,
-    gguf_rules=lambda arch: gguf_rules_for(arch in GGUF_PERMUTED_ARCHS),
+    # a llama GGUF with experts (Mixtral): the MLP of the layers that have a router
+    gguf_rules=lambda arch: dense_only(gguf_rules_for(arch in GGUF_PERMUTED_ARCHS))
+    + gguf_moe_rules(),
     model=DecoderModel)

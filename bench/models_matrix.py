@@ -35,7 +35,8 @@ from tests.model import test_gemma_plans as gemma_t  # noqa: E402
 from tests.model import test_moe_plans as moe_t  # noqa: E402
 from tests.model import test_phi3_plans as phi3_t  # noqa: E402
 from tests.model import test_sliding_window_plans as window_t  # noqa: E402
-from tests.model.test_qwen3_plans import PROMPTS, _build, _check_plan_matches_transformers  # noqa: E402,E501
+from tests.model.test_qwen3_plans import (  # noqa: E402
+    PROMPTS, _build, _check_plan_matches_transformers)
 from tests.model.test_sources import _hf_model, _write_gguf, _write_tokenizer  # noqa: E402
 
 import transformers  # noqa: E402

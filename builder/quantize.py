@@ -48,9 +48,11 @@ def _kept(name: str, keep: tuple[str, ...]) -> bool:
 
 
 def _targets(model: nn.Module, keep: tuple[str, ...]) -> dict[str, nn.Linear]:
-    """The nn.Linear modules to quantize, by qualified name (lm_head handled separately)."""
+    """The nn.Linear modules to quantize, by qualified name (lm_head handled separately; a
+    linear whose class says `quantize = False`, an MoE router, stays float)."""
     return {n: m for n, m in model.named_modules()
-            if isinstance(m, nn.Linear) and n != "output" and not _kept(n, keep)}
+            if isinstance(m, nn.Linear) and getattr(m, "quantize", True) and n != "output"
+            and not _kept(n, keep)}
 
 
 def _resolve_group_size(group_size: Optional[int], linears: dict[str, nn.Linear]) -> int:

@@ -1,6 +1,6 @@
 """The mixture-of-experts MLP block: a router and stacked SwiGLU experts (kiln::moe_experts).
 
-    gate         nn.Linear(hidden, E)        router logits, softmax -> top-k (plugins/moe/ops.route)
+    gate         Router(hidden, E)           router logits, softmax -> top-k (plugins/moe/ops.route)
     experts.w13  [E * 2 * inter, hidden]     expert e's rows [e*2I, (e+1)*2I): its gate then up
     experts.w2   [E * hidden, inter]         expert e's rows [e*H, (e+1)*H): its down projection
 
@@ -11,6 +11,7 @@ cfg.sparse_layers (Mixtral: every layer; Qwen3-MoE: decoder_sparse_step, mlp_onl
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from kiln.builder.arch.config import DecoderConfig
@@ -19,15 +20,23 @@ from kiln.plugins.moe import ops as moe_ops  # registers kiln::moe_experts
 from kiln.plugins.moe.modules import Experts
 
 
+class Router(nn.Linear):
+    """The router's linear. The quantizer leaves it in the model's float dtype (`quantize`
+    False): it is E x hidden, a sliver of the layer, its argmax picks the experts, and its
+    E outputs (8 on Mixtral) do not fit every packed format's tiles. vLLM and llama.cpp
+    keep it unquantized too."""
+    quantize = False
+
+
 class MoE(nn.Module):
-    """Top-k routed SwiGLU experts; the router stays an nn.Linear (quantized like any)."""
+    """Top-k routed SwiGLU experts behind a float router."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.inter, self.hidden = cfg.moe_intermediate_size, cfg.hidden_size
         self.normalize = cfg.normalize_topk
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(self.num_experts, self.hidden, self.inter)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

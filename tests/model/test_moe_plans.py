@@ -129,9 +129,9 @@ def test_a_misshapen_expert_is_refused_naming_it(tmp_path):
 
 @pytest.mark.parametrize("family,weights,activations,kv", [
     ("mixtral", "int8", "fp32", "fp32"), ("qwen3_moe", "int4", "fp32", "fp32"),
-    ("mixtral", "int8", "int8", "fp32"), ("qwen3_moe", "int4", "int8", "fp32"),  # W8A8, W4A8
+    ("mixtral", "int4", "int8", "fp32"), ("qwen3_moe", "int8", "int8", "fp32"),  # W4A8, W8A8
     ("mixtral", "bf16", "fp32", "int8"), ("qwen3_moe", "fp8", "fp32", "fp8")],
-    ids=["mixtral-int8", "qwen3_moe-int4", "mixtral-w8a8", "qwen3_moe-w4a8",
+    ids=["mixtral-int8", "qwen3_moe-int4", "mixtral-w4a8", "qwen3_moe-w8a8",
          "mixtral-bf16-kv_int8", "qwen3_moe-fp8-kv_fp8"])
 def test_quantized_moe_plan_passes_its_gate(family, weights, activations, kv, tmp_path,
                                             digest_cache):
@@ -143,6 +143,8 @@ def test_quantized_moe_plan_passes_its_gate(family, weights, activations, kv, tm
     q, acc = m["precision"]["quantization"], m["accuracy"]
     experts = [n for n in q["quantized"] if n.endswith("feed_forward.experts")]
     assert len(experts) == len(m["model"]["config"]["sparse_layers"])
+    # the routers stay float: Mixtral's 8 outputs do not fit W4A8's 16-row tiles
+    assert not [n for n in q["quantized"] if n.endswith("feed_forward.gate")]
     assert m["precision"]["kv_cache"] == kv
     assert acc["passed"] and acc["ppl_increase"] <= acc["max_ppl_increase"]
     print(f"{family} {weights} act={activations} kv={kv}: ppl +{acc['ppl_increase']:.4f} "

@@ -42,15 +42,34 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// w . a over n values: one Vec accumulator in a fixed order, then the tail.
-inline float dot(const float* w, const float* a, int64_t n) {
-  Vec acc(0.0f);
+// out[t] = w . a[t] over n values for NT tokens at once, each weight vector loaded once for
+// all of them. Each token's sum has one fixed order whatever NT is (four Vec accumulators
+// over consecutive Vec steps, added (0 + 1) + (2 + 3), the remaining Vec steps into the
+// first before that, then the tail): a token's result does not depend on its neighbours,
+// and the four chains keep the FMA units busy instead of waiting on one.
+template <int NT>
+inline void dots(const float* w, const float* const* a, int64_t n, float* out) {
+  constexpr int64_t L = Vec::size();
+  Vec acc[NT][4];
+  for (int t = 0; t < NT; ++t)
+    for (int j = 0; j < 4; ++j) acc[t][j] = Vec(0.0f);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size())
-    acc = at::vec::fmadd(Vec::loadu(w + i), Vec::loadu(a + i), acc);
-  float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc);
-  for (; i < n; ++i) s += w[i] * a[i];
-  return s;
+  for (; i + 4 * L <= n; i += 4 * L)
+    for (int j = 0; j < 4; ++j) {
+      const Vec wv = Vec::loadu(w + i + j * L);
+      for (int t = 0; t < NT; ++t)
+        acc[t][j] = at::vec::fmadd(wv, Vec::loadu(a[t] + i + j * L), acc[t][j]);
+    }
+  for (; i + L <= n; i += L) {
+    const Vec wv = Vec::loadu(w + i);
+    for (int t = 0; t < NT; ++t) acc[t][0] = at::vec::fmadd(wv, Vec::loadu(a[t] + i), acc[t][0]);
+  }
+  for (int t = 0; t < NT; ++t) {
+    const Vec sum = (acc[t][0] + acc[t][1]) + (acc[t][2] + acc[t][3]);
+    float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, sum);
+    for (int64_t k = i; k < n; ++k) s += w[k] * a[t][k];
+    out[t] = s;
+  }
 }
 
 // Row decoders: row(r, buf) -> the K float32 weights of row r of one expert's matrix (a
@@ -189,7 +208,19 @@ void rows_times_group(const Rows& w, int64_t r0, int64_t rows, int64_t K, const 
       std::vector<float> buf(K);
       for (int64_t r = lo; r < hi; ++r) {
         const float* wr = w.row(r0 + r, buf.data());
-        for (int64_t g = 0; g < n; ++g) out[g * rows + r] = dot(wr, in + g * K, K);
+        int64_t g = 0;
+        float o[2];
+        for (; g + 2 <= n; g += 2) {            // two tokens per pass over the row
+          const float* a2[2] = {in + g * K, in + (g + 1) * K};
+          dots<2>(wr, a2, K, o);
+          out[g * rows + r] = o[0];
+          out[(g + 1) * rows + r] = o[1];
+        }
+        if (g < n) {
+          const float* a1[1] = {in + g * K};
+          dots<1>(wr, a1, K, o);
+          out[g * rows + r] = o[0];
+        }
       }
     });
   }

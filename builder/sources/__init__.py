@@ -81,8 +81,37 @@ def open_checkpoint(model) -> Checkpoint:
     if model.revision and model.revision.lower() != ckpt.weights_digest:
         raise CheckpointError(f"{ckpt.source_desc}: weights digest {ckpt.weights_digest} "
                               f"differs from model.revision {model.revision}")
+    if src != "random":      # a random model's tokenizer is checked against its arch
+        _vet_vocabulary(ckpt)
     _vet_chat_template(ckpt)
     return ckpt
+
+
+def _vet_vocabulary(ckpt: Checkpoint) -> None:
+    """The tokenizer and the special ids must fit the model's vocabulary: an id past it has
+    no embedding row and no logit (a tokenizer from another model, or a config that does not
+    belong to these weights). Fewer token ids than rows is normal (padded embeddings)."""
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_str(ckpt.tokenizer_json)
+    except Exception as e:
+        raise CheckpointError(f"{ckpt.source_desc}: the tokenizer cannot be read: {e}") from None
+    vocab = ckpt.config.vocab_size
+    n = max(tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    if n > vocab:
+        raise CheckpointError(
+            f"{ckpt.source_desc}: the tokenizer has {n} token ids but the model's vocabulary "
+            f"(vocab_size, the embedding's rows) is {vocab}: ids {vocab}..{n - 1} have no "
+            "embedding. The tokenizer does not belong to these weights")
+    gen = ckpt.generation
+    special = {"bos_token_id": [gen.get("bos_token_id")],
+               "eos_token_ids": list(gen.get("eos_token_ids") or [])}
+    for key, ids in special.items():
+        bad = [i for i in ids if i is not None and not 0 <= int(i) < vocab]
+        if bad:
+            raise CheckpointError(f"{ckpt.source_desc}: {key} {bad} outside the model's "
+                                  f"vocabulary of {vocab} ids")
 
 
 def _vet_chat_template(ckpt: Checkpoint) -> None:

@@ -244,6 +244,18 @@ def test_load_model_rejects_bad_streams():
         load_model(ckpt([x for x in full if x[0] != "norm.weight"]))
 
 
+def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path):
+    d = _write_hf(tmp_path / "m")
+    (d / "tokenizer.json").write_text(byte_level(300, 1, 2))    # another model's tokenizer
+    with pytest.raises(CheckpointError, match=r"tokenizer has 300 token ids but the model's "
+                       r"vocabulary .* is 260: ids 260..299 have no embedding"):
+        _open(d)
+    cfg = dict(HF_CONFIG, eos_token_id=[2, 400])
+    with pytest.raises(CheckpointError, match=r"eos_token_ids \[400\] outside the model's "
+                       r"vocabulary of 260"):
+        _open(_write_hf(tmp_path / "eos", config=cfg))
+
+
 def test_random_model_with_a_larger_tokenizer_is_refused(tmp_path):
     tok = tmp_path / "tokenizer.json"
     tok.write_text(byte_level(300, 1, 2))

@@ -10,6 +10,7 @@ import torch
 from kiln.builder.compile import compile_engine
 from kiln.builder.target import resolve_level
 from kiln.plugins import shims
+from kiln.plugins.moe import kernels as moe_kernels
 from kiln.plugins.paged_kv import kernels as pa_kernels
 from kiln.plugins.quant import formats, kernels as q_kernels
 from tests.helpers import load_package
@@ -31,7 +32,7 @@ def test_declarations_follow_the_schemas():
 
 def test_every_cpu_op_has_its_shim_in_a_kernel_library():
     exported = set()
-    for lib in (q_kernels.build(), pa_kernels.build()):
+    for lib in (q_kernels.build(), pa_kernels.build(), moe_kernels.build()):
         handle = ctypes.CDLL(str(lib))
         exported |= {op for op in shims.CPU_OPS if hasattr(handle, f"aoti_torch_cpu_{op}")}
     assert exported == set(shims.CPU_OPS)

@@ -190,7 +190,7 @@ def test_stop_strings_inside_an_accepted_draft():
 def ngram_plan(tiny_spec_path, tmp_path_factory):
     """The tiny random plan with `speculative: ngram` (AOTInductor), built once per
     fingerprint."""
-    from conftest import TEST_PLANS
+    from tests.conftest import TEST_PLANS
     from kiln.builder.build import build
     from kiln.builder.progress import Progress
 

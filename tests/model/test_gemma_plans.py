@@ -18,10 +18,9 @@ import torch
 from kiln.builder.arch.config import UnsupportedConfig
 from kiln.builder.arch.families import config_from_hf
 from kiln.builder.sources import open_checkpoint
-from kiln.builder.sources.tokenizer_build import byte_level
 from kiln.builder.spec import ModelSpec
 from tests.model.test_qwen3_plans import _build, _check_plan_matches_transformers
-from tests.model.test_sources import TINY, VOCAB, _write_tokenizer
+from tests.model.test_sources import TINY, _add_tokenizer, _write_tokenizer
 
 pytestmark = pytest.mark.model
 transformers = pytest.importorskip("transformers")
@@ -93,16 +92,7 @@ def _write_gemma_gguf(path, arch: str, model) -> None:
         if glob["rope_type"] == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(glob["factor"])
-    tok = json.loads(byte_level(VOCAB, 1, 2))
-    vocab = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(vocab)
-    w.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t in vocab])
-    w.add_token_merges([])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    _add_tokenizer(w, "smollm")
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":      # tied: llama.cpp skips it
             continue

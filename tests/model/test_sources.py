@@ -157,6 +157,29 @@ def _add_experts(w, hf_model, qtype: str | None = None):
             _add_weight(w, f"blk.{i}.ffn_down_exps.weight", t, qtype=qtype)
 
 
+def _add_tokenizer(w, pre: str, merges: bool = False) -> None:
+    """The tests' byte-level vocabulary (VOCAB ids, bos 1, eos 2) as llama.cpp's gpt2
+    tokenizer keys. merges: turn some reserved ids into BPE merges, which llama.cpp needs
+    (benches run it on these files)."""
+    tok = json.loads(byte_level(VOCAB, 1, 2))
+    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    pairs_used = []
+    if merges:
+        pairs = [(a, b) for a in "etaoin" for b in "etaoin"]
+        slots = [i for i, t in enumerate(tokens) if t.startswith("<|reserved_")][-len(pairs):]
+        for i, (a, b) in zip(slots, pairs):
+            tokens[i] = a + b
+            pairs_used.append(f"{a} {b}")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t in tokens])
+    w.add_token_merges(pairs_used)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+
+
 def _write_gguf(path, family: str, hf_model, dtype=np.float32, qtype: str | None = None):
     import gguf
     cfg = hf_model.config
@@ -177,23 +200,7 @@ def _write_gguf(path, family: str, hf_model, dtype=np.float32, qtype: str | None
         _write_phi3_rope(w, hf_model)
     elif family == "llama" and getattr(cfg, "sliding_window", None):   # Mistral's window
         w.add_sliding_window(cfg.sliding_window)
-    tok = json.loads(byte_level(VOCAB, 1, 2))
-    tokens = [t for t, _ in sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])]
-    merges = []
-    if qtype is not None:   # llama.cpp (which benches run on these files) needs BPE merges:
-        pairs = [(a, b) for a in "etaoin" for b in "etaoin"]   # some reserved ids become merges
-        slots = [i for i, t in enumerate(tokens) if t.startswith("<|reserved_")][-len(pairs):]
-        for i, (a, b) in zip(slots, pairs):
-            tokens[i] = a + b
-            merges.append(f"{a} {b}")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if family == "qwen2" else "smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t.startswith("<") and len(t) > 1 else 1 for t in tokens])
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    _add_tokenizer(w, "qwen2" if family == "qwen2" else "smollm", merges=qtype is not None)
     w.add_chat_template("{{ messages[0]['content'] }}")
     names = {"embed_tokens": "token_embd", "input_layernorm": "attn_norm",
              "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",

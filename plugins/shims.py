@@ -15,7 +15,7 @@ import torch
 # the ops with C++ CPU kernels (and shims) in the plugins' kernel libraries
 CPU_OPS = ("linear_int8", "linear_int4", "linear_fp8", "linear_bf16", "linear_fp32",
            "linear_int8_a8", "linear_int4_a8", "linear_int4_rows16", "paged_attention",
-           "moe_experts", "moe_experts_quant", "moe_experts_a8")
+           "moe_experts", "moe_experts_quant", "moe_experts_a8", "lora_apply")
 
 _ARG_TYPES = {"Tensor": "AtenTensorHandle", "Optional[Tensor]": "AtenTensorHandle*",
               "int": "int64_t", "float": "double"}
@@ -37,7 +37,8 @@ def declaration(op: torch._ops.OpOverload) -> str:
 
 
 def _import_schemas() -> None:
-    from kiln.plugins.moe import ops as _m  # noqa: F401  (the schemas)
+    from kiln.plugins.lora import ops as _l  # noqa: F401  (the schemas)
+    from kiln.plugins.moe import ops as _m  # noqa: F401
     from kiln.plugins.paged_kv import ops as _pa  # noqa: F401
     from kiln.plugins.quant import ops as _q  # noqa: F401
 

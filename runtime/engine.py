@@ -136,7 +136,7 @@ class Engine:
         """vocab_size: the model's (the logits' width; default the tokenizer's). num_threads:
         the engine thread's compute threads (runtime/compute.py; default: torch's).
         guided_limits: what output constraints may cost (runtime/guided.py). speculative:
-        n-gram speculative decoding of greedy requests (runtime/speculative.py; None: off)."""
+        n-gram speculative decoding (runtime/speculative.py; None: off)."""
         self.num_threads = num_threads
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
@@ -202,11 +202,10 @@ class Engine:
         return self.update(scheduler_output, step_output)
 
     def _propose(self, seq: TokenSequence, k: int) -> list[int]:
-        """Up to k n-gram drafts for a greedy request without a constraint or logprobs; []
-        for any other (they decode one token a step)."""
+        """Up to k n-gram drafts for a request without a constraint or logprobs; [] for
+        any other (they decode one token a step)."""
         state = seq.sampling
-        if (state is None or not state.params.greedy or state.guide is not None
-                or state.params.logprobs is not None):
+        if state is None or state.guide is not None or state.params.logprobs is not None:
             return []
         req = self._requests.get(seq.request_id)
         if req is None:

@@ -19,6 +19,7 @@ from kiln.plugins.inflight_batching import SchedulerOutput, TokenSequence, StepO
 from kiln.runtime.executor import Executor, ModelInput
 from kiln.runtime.guided import Masker
 from kiln.runtime.sampling import Sampler, TokenLogprobs
+from kiln.runtime.speculative import num_kept
 
 log = logging.getLogger("kiln.runtime")
 
@@ -76,6 +77,7 @@ class ModelRunner:
         if out.drafts:   # one row per sequence: its first position (the last real token)
             firsts = self._first_rows(out)
             logits = drafted[firsts]
+            seeded = _generator_states(out)
         rows = [i for i, s in enumerate(out.sample) if s]
         sampled: list[Optional[int]] = [None] * len(out.seqs)
         errors: dict[str, str] = {}
@@ -100,6 +102,8 @@ class ModelRunner:
             for i, t in zip(rows, toks):
                 sampled[i] = t
             accepted = self._verify(out, drafted, firsts, sampled) if out.drafts else {}
+            if out.drafts:
+                _rewind(out, seeded, sampled, accepted)
             asked = [j for j, s in enumerate(seqs)
                      if s.sampling.params.logprobs is not None and toks[j] is not None]
             if asked:   # only requests that ask pay for a log_softmax
@@ -122,10 +126,11 @@ class ModelRunner:
 
     def _verify(self, out: SchedulerOutput, logits: torch.Tensor, firsts: list[int],
                 sampled: list[Optional[int]]) -> dict[int, int]:
-        """Exact greedy verification: the target's token at each draft position, sampled as
-        a plain step would (same sampler, the history as if the drafts before were kept);
-        drafts are kept while each equals the target's token at its position, and the target's
-        token after the last kept one becomes the sequence's token. -> accepted per row."""
+        """Exact verification (runtime/speculative.py): the target's token at each draft
+        position, sampled as a plain step would (same sampler, the history as if the drafts
+        before were kept); drafts are kept while each equals the target's token at its
+        position, and the target's token after the last kept one becomes the sequence's
+        token. -> accepted per row."""
         rows, states, hists, prompts, owners = [], [], [], [], []
         for i, d in out.drafts.items():
             s = out.seqs[i]
@@ -148,9 +153,7 @@ class ModelRunner:
             d = out.drafts[i]
             target = [sampled[i]] + toks[at:at + len(d)]
             at += len(d)
-            a = 0
-            while a < len(d) and d[a] == target[a]:
-                a += 1
+            a = num_kept(d, target)
             sampled[i], accepted[i] = target[a], a
             self.num_drafted += len(d)
             self.num_accepted += a
@@ -211,3 +214,22 @@ class ModelRunner:
                 errors[s.request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 toks.append(None)
         return toks
+
+
+def _generator_states(out: SchedulerOutput) -> dict[int, torch.Tensor]:
+    """The generator state of each seeded sequence that drafts this step, before it draws."""
+    gens = {i: out.seqs[i].sampling.generator for i in out.drafts}
+    return {i: g.get_state() for i, g in gens.items() if g is not None}
+
+
+def _rewind(out: SchedulerOutput, seeded: dict[int, torch.Tensor],
+            sampled: list[Optional[int]], accepted: dict[int, int]) -> None:
+    """Leave each seeded drafting sequence's generator one draw past each token it emitted
+    this step (the draws of rejected positions are given back): its next token then takes
+    the same uniform number it would have taken without drafts, so a seeded request's
+    tokens do not depend on what was drafted."""
+    for i, state in seeded.items():
+        g = out.seqs[i].sampling.generator
+        g.set_state(state)
+        if sampled[i] is not None:
+            torch.rand(accepted.get(i, 0) + 1, generator=g)

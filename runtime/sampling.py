@@ -190,21 +190,57 @@ class Sampler:
             if not any(t in s.min_tokens_mask and s.masks_stops(len(h) - n)
                        for s, t, h, n in zip(states, toks, token_ids, num_prompt_tokens)):
                 return toks
-        B, V = logits.shape
         P = [s.params for s in states]
-        logits = logits.float().clone()
-        self._penalize(logits, P, token_ids, num_prompt_tokens)
-        self._mask(logits, states, token_ids, num_prompt_tokens)
-        if guided is not None:     # grammar masks: one vectorized masked_fill over the rows
-            apply_bitmask(logits, *guided)
-        temps = [p.temperature for p in P]
-        greedy = [t == 0 for t in temps]
+        logits = self._processed(logits, states, token_ids, num_prompt_tokens, guided)
+        greedy = [p.greedy for p in P]
         if all(greedy):
             return _argmax(logits)
         argmaxes = _argmax(logits) if any(greedy) else None
-        # from here on in place on logits (this call's own copy): at 32 rows each new
+        probs, bad, fallback = self._weights(logits, P)
+        tokens = self._draw(probs, states)
+        for i, t in zip(bad, fallback):
+            tokens[i] = t
+        if argmaxes is not None:
+            tokens = [a if g else t for a, t, g in zip(argmaxes, tokens, greedy)]
+        return tokens
+
+    def probs(self, logits: torch.Tensor, states: Sequence[SamplingState],
+              token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int]
+              ) -> torch.Tensor:
+        """The distribution each row's token is drawn from, as __call__ draws it: [B, vocab]
+        float32, each row summing to 1 (one-hot on the argmax for greedy rows, and for rows
+        whose logits are all masked or not finite)."""
+        P = [s.params for s in states]
+        x = self._processed(logits, states, token_ids, num_prompt_tokens, None)
+        one_hot = [i for i, p in enumerate(P) if p.greedy]
+        hot = _argmax(x[one_hot]) if one_hot else []
+        probs, bad, fallback = self._weights(x, P)
+        probs.div_(probs.sum(dim=-1, keepdim=True))
+        for i, t in zip(one_hot + bad, hot + fallback):
+            probs[i] = 0.0
+            probs[i, t] = 1.0
+        return probs
+
+    def _processed(self, logits: torch.Tensor, states: Sequence[SamplingState],
+                   token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
+                   guided: Optional[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+        """A float32 copy of logits with penalties, masks and grammar bitmasks applied."""
+        logits = logits.float().clone()
+        self._penalize(logits, [s.params for s in states], token_ids, num_prompt_tokens)
+        self._mask(logits, states, token_ids, num_prompt_tokens)
+        if guided is not None:     # grammar masks: one vectorized masked_fill over the rows
+            apply_bitmask(logits, *guided)
+        return logits
+
+    def _weights(self, x: torch.Tensor, P: Sequence[SamplingParams]
+                 ) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Processed logits (consumed) -> (unnormalized probabilities after temperature,
+        top-k, top-p and min-p; the rows with no finite maximum, and each one's argmax)."""
+        V = x.shape[1]
+        temps = [p.temperature for p in P]
+        # from here on in place on x (the caller's own copy): at 32 rows each new
         # [B, vocab] tensor costs as much again as the pass that fills it
-        x = logits.div_(torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None])
+        x = x.div_(torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None])
         mx = x.amax(dim=-1, keepdim=True)
         bad = ~torch.isfinite(mx[:, 0])      # all masked, or NaN / +inf: that row's argmax
         fallback = _argmax(x[bad]) if bool(bad.any()) else []
@@ -223,12 +259,7 @@ class Sampler:
         if max(min_ps) > 0:
             cut = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps)[:, None]
             probs.mul_(probs >= cut)
-        tokens = self._draw(probs, states)
-        for i, t in zip(bad.nonzero()[:, 0].tolist(), fallback):
-            tokens[i] = t
-        if argmaxes is not None:
-            tokens = [a if g else t for a, t, g in zip(argmaxes, tokens, greedy)]
-        return tokens
+        return probs, bad.nonzero()[:, 0].tolist(), fallback
 
     @staticmethod
     def _top_p(probs: torch.Tensor, tops: Sequence[float], candidates: int = 256) -> None:

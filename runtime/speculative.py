@@ -1,24 +1,33 @@
 """Speculative decoding: n-gram (prompt-lookup) drafts, verified exactly by the target plan.
 
-Per step, a greedy sequence's row is [last token, d1..dm] with logits at all m+1 positions;
-the drafts are kept while each equals the target's token at its position, then the target's
-own token follows, so a step emits 1..m+1 tokens and the output is the one greedy decoding
-gives token for token. The scheduler (plugins.inflight_batching) asks for drafts and rolls
-the KV of rejected positions back; the model runner verifies.
+Per step, a sequence's row is [last token, d1..dm] with logits at all m+1 positions. At each
+position the target's token is drawn as a plain step would draw it (same sampler, the
+history as if the drafts before were kept); the drafts are kept while each equals the
+target's token at its position, then the target's own token follows, so a step emits 1..m+1
+tokens. The scheduler (plugins.inflight_batching) asks for drafts and rolls the KV of
+rejected positions back; the model runner verifies.
 
     tokens:  a b c d x y a b c [?]      suffix "a b c" occurred at 0: propose "d x y"
 
-Which requests speculate: greedy ones without an output constraint or logprobs (sampled,
-guided and logprobs requests decode one token a step). Which steps: those with at most
-`max_batch` decoding sequences; a larger batch is closer to compute-bound, where the extra
-positions cost about what they save.
+Greedy requests: the output is the one greedy decoding gives, token for token. Sampled
+requests: a draft is a point mass q, so rejection sampling accepts d with probability
+min(1, p(d)/q(d)) = p(d) and on rejection draws from p with d removed; drawing t ~ p and
+keeping d iff t == d does exactly that (P(keep) = p(d); a rejected t is p restricted to
+t != d, renormalized), and all m kept means the bonus token is the draw at the last position.
+Each position takes one uniform number; a seeded request's generator is left one draw past
+each emitted token (model_runner), so its tokens are the ones it gets without speculation.
+
+Which requests speculate: any without an output constraint or logprobs (guided and logprobs
+requests decode one token a step). Which steps: those with at most `max_batch` decoding
+sequences; a larger batch is closer to compute-bound, where the extra positions cost about
+what they save.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Sequence
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")   # draft: runtime/draft_model.py
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,14 @@ class NgramIndex:
                 last[tuple(tokens[e + 1 - n:e + 1])] = e + 1 - n
         self._indexed = max(self._indexed, end)
 
+
+def num_kept(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """Drafts kept: the length of the common prefix of drafts and the target's tokens at the
+    same positions (targets has one more: the token after the last draft)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == targets[a]:
+        a += 1
+    return a
 
 
 def _copy(tokens: Sequence[int], src: int, k: int) -> list[int]:

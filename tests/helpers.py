@@ -318,3 +318,17 @@ def spec_problems(text: str) -> tuple[dict[str, str], str]:
         parse_spec(text)
     return dict(e.value.problems), str(e.value)
 
+
+def chi2_pvalue(counts: dict, probs: dict, n: int) -> float:
+    """Pearson's chi-square test of observed counts against probabilities (cells expected
+    below 5 draws pooled into one) -> the p-value."""
+    small = [c for c in probs if probs[c] * n < 5]
+    cells = [[c] for c in probs if c not in small] + ([small] if small else [])
+    stat = 0.0
+    for group in cells:
+        e = n * sum(probs[c] for c in group)
+        o = sum(counts.get(c, 0) for c in group)
+        stat += (o - e) ** 2 / e
+    assert sum(counts.values()) == n and set(counts) <= set(probs), "a draw outside the support"
+    df = torch.tensor((len(cells) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(df, torch.tensor(stat / 2, dtype=torch.float64)))

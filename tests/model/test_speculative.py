@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import random
 import re
+from collections import Counter
 
 import pytest
+import torch
 
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.speculative import SpeculativeConfig
 from runtime_helpers import tiny_engine
+from tests.helpers import chi2_pvalue
 
 pytestmark = pytest.mark.model
 
@@ -90,12 +93,19 @@ def test_random_prompts_identical():
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
-def test_sampled_requests_do_not_speculate():
-    params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
-    want, _ = _run(REPETITIVE, params)
-    got, stats = _run(REPETITIVE, params, SPEC)
-    assert stats["spec_draft_tokens"] == 0
+@pytest.mark.parametrize("batch", [1, 4])
+def test_seeded_sampled_requests_identical_with_drafts_accepted(batch):
+    """A seeded request's generator gives back the draws of rejected positions: the same
+    tokens with and without speculation, whatever else shares the step."""
+    prompts = [_looping_prompt(t) for t in REPETITIVE]
+    params = [SamplingParams(max_tokens=40, temperature=0.7, top_k=5, top_p=0.9,
+                             repetition_penalty=1.05, seed=s, ignore_eos=True)
+              for s in range(len(prompts))]
+    want, _ = _run(prompts, params, max_batch_size=batch)
+    got, stats = _run(prompts, params, SPEC, max_batch_size=batch)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["kv_blocks_used"] == 0
 
 
 def test_large_batch_does_not_speculate():
@@ -223,3 +233,43 @@ def test_compiled_plan_speculates_with_identical_output(ngram_plan):
         stats = spec.stats()
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats["spec_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def _target_joint(prompt: list[int], params: SamplingParams, n: int) -> dict:
+    """P(first n output tokens), exactly as the plain sampler draws them, from the plan's
+    own logits: the executor runs prompt + each prefix; Sampler.probs gives each step's
+    distribution."""
+    from kiln.runtime.executor import ModelInput
+    from kiln.runtime.sampling import Sampler, SamplingState
+
+    engine = tiny_engine(start=False)
+    bs, state = engine.config.tokens_per_block, SamplingState.create(params)
+    joint = {(): 1.0}
+    for _ in range(n):
+        prefixes = list(joint)
+        seqs = [prompt + list(p) for p in prefixes]
+        width = engine.scheduler.pool.blocks_for(len(seqs[0]))
+        tables = [list(range(i * width, (i + 1) * width)) for i in range(len(seqs))]
+        logits = engine.executor.execute(ModelInput.build(seqs, [0] * len(seqs), tables, bs))
+        probs = Sampler().probs(logits, [state] * len(seqs), seqs, [len(prompt)] * len(seqs))
+        joint = {p + (t,): joint[p] * float(probs[i, t]) for i, p in enumerate(prefixes)
+                 for t in probs[i].nonzero()[:, 0].tolist()}
+    return joint
+
+
+def test_temperature_one_draws_follow_the_target_distribution():
+    """Unseeded draws at temperature 1 (top_k 3), with and without n-gram drafts: the first
+    three output tokens' joint frequencies (the 2nd and 3rd verified as drafts) match the
+    distribution the plan's logits give (chi-square)."""
+    prompt = _looping_prompt()
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    target = _target_joint(prompt, params, 3)
+    assert abs(sum(target.values()) - 1) < 1e-5 and len(target) == 27
+    n = 2400
+    torch.manual_seed(0)
+    for spec in (None, SPEC):
+        results, stats = _run([prompt] * n, params, spec)
+        counts = Counter(tuple(r.token_ids) for r in results)
+        assert chi2_pvalue(counts, target, n) > 1e-3, (spec, counts.most_common(5))
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    assert stats["spec_draft_tokens"] >= n       # most requests drafted

@@ -3,6 +3,7 @@ proposer and the scheduler's draft bookkeeping (acceptance, rollback, stop rules
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 
@@ -10,8 +11,11 @@ from kiln.builder.spec import parse_spec
 from kiln.contracts.manifest import ManifestError, PlanManifest
 from kiln.plugins.inflight_batching import (DraftPolicy, Scheduler, SchedulerConfig,
                                             StepOutput, TokenSequence)
-from kiln.runtime.speculative import NgramIndex, SpeculativeConfig
-from tests.helpers import TINY_SPEC as BASE, spec_problems
+import torch
+
+from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState
+from kiln.runtime.speculative import NgramIndex, SpeculativeConfig, num_kept
+from tests.helpers import TINY_SPEC as BASE, chi2_pvalue, spec_problems
 from tests.unit.test_manifest import MANIFEST
 
 pytestmark = pytest.mark.unit
@@ -107,3 +111,30 @@ def test_scheduler_row_without_a_token_keeps_nothing():
     assert len(seq.block_table) == sched.pool.blocks_for(7)
     out = sched.schedule()                      # its last token runs again, drafts and all
     assert out.num_scheduled_tokens == [4] and out.drafts == {0: [7, 8, 9]}
+
+
+@pytest.mark.parametrize("drafts", [[2, 0], [3, 3]])   # likely drafts; an unlikely first one
+def test_sampled_verification_is_rejection_sampling(drafts):
+    """Draws of the target at each position, drafts kept while they equal the draw: the
+    emitted tokens follow the analytic law of rejection sampling with a point-mass proposal
+    (accept d with p(d); else p without d, renormalized; all kept: a bonus from p)."""
+    p = torch.tensor([[0.1, 0.2, 0.6, 0.1], [0.5, 0.3, 0.1, 0.1], [0.25, 0.25, 0.4, 0.1]])
+    m, n = len(drafts), 20000
+    law = {}                                  # emitted tokens -> probability
+    for a in range(m + 1):
+        kept = float(torch.prod(torch.tensor([p[j, drafts[j]] for j in range(a)])))
+        for x in range(4):
+            if a == m or x != drafts[a]:
+                law[tuple(drafts[:a]) + (x,)] = kept * float(p[a, x])
+    assert abs(sum(law.values()) - 1) < 1e-6
+    torch.manual_seed(1)
+    state = SamplingState.create(SamplingParams(temperature=1.0))
+    rows = p.log().repeat(n, 1)                                      # [n * (m+1), 4]
+    toks = Sampler()(rows, [state] * len(rows), [[0]] * len(rows), [1] * len(rows))
+    emitted = []
+    for r in range(0, len(toks), m + 1):
+        t = toks[r:r + m + 1]
+        a = num_kept(drafts, t)
+        emitted.append(tuple(drafts[:a]) + (t[a],))
+    assert chi2_pvalue(Counter(emitted), law, n) > 1e-3
+    assert num_kept([5, 6, 7], [5, 6, 8, 1]) == 2 and num_kept([5], [4, 5]) == 0

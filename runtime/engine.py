@@ -34,7 +34,7 @@ from kiln.runtime.guided import (CompileBusy, GrammarCache, Guide, GuidedDecodin
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.plan import Plan, load_plan
 from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
-from kiln.runtime.speculative import NgramIndex, SpeculativeConfig
+from kiln.runtime.speculative import DraftRecord, NgramIndex, SpeculativeConfig
 from kiln.runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
                              Usage, hold_posts, release_posts)
 from kiln.runtime.tokenizer import Tokenizer
@@ -99,12 +99,13 @@ class EngineConfig(SchedulerConfig):
 class _Request:
     """Engine-thread bookkeeping of one request."""
     __slots__ = ("seq", "stream", "detok", "arrival", "first_token", "last_token", "sent",
-                 "lookup")
+                 "lookup", "drafts")
 
     def __init__(self, seq: TokenSequence, stream: RequestStream, detok):
         self.seq, self.stream, self.detok = seq, stream, detok
         self.sent = seq.num_tokens       # tokens of seq.token_ids delivered (or the prompt)
         self.lookup: Optional[NgramIndex] = None   # its n-gram drafts' index, once it drafts
+        self.drafts: Optional[DraftRecord] = None  # its speculation, once it may draft
         self.arrival = seq.arrival_time
         self.first_token: Optional[float] = None
         self.last_token: Optional[float] = None
@@ -210,6 +211,11 @@ class Engine:
         req = self._requests.get(seq.request_id)
         if req is None:
             return []
+        if req.drafts is None:
+            req.drafts = DraftRecord(self.speculative.max_draft_tokens)
+        k = min(k, req.drafts.limit())
+        if k < 1:
+            return []
         if req.lookup is None:
             spec = self.speculative
             req.lookup = NgramIndex(spec.ngram_min, spec.ngram_max)
@@ -223,6 +229,10 @@ class Engine:
         lps = getattr(step, "logprobs", None) or {}
         for rid, error in (getattr(step, "errors", None) or {}).items():
             self._fail(self._requests[rid], error)    # before update: it skips finished seqs
+        for i, accepted in step.num_accepted.items():   # speculation: each request's record
+            req = self._requests.get(sched.seqs[i].request_id)
+            if req is not None and req.drafts is not None:
+                req.drafts.record(len(sched.drafts[i]), accepted)
         outs = []
         for seq in self.scheduler.update(sched, step):
             req = self._requests[seq.request_id]

@@ -20,7 +20,8 @@ each emitted token (model_runner), so its tokens are the ones it gets without sp
 Which requests speculate: any without an output constraint or logprobs (guided and logprobs
 requests decode one token a step). Which steps: those with at most `max_batch` decoding
 sequences; a larger batch is closer to compute-bound, where the extra positions cost about
-what they save.
+what they save. How many: up to max_draft_tokens, fewer for a request whose recent drafts
+were rejected (DraftRecord).
 """
 from __future__ import annotations
 
@@ -49,6 +50,44 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculative: need 1 <= ngram_min ({self.ngram_min}) <= "
                              f"ngram_max ({self.ngram_max})")
+
+
+@dataclass
+class DraftRecord:
+    """One request's speculation: its totals, and how many drafts its recent acceptance
+    allows. A step that keeps none halves the allowance; at 0 the request drafts nothing
+    for `cooling` of its steps (doubling each time, up to 64), then tries one draft again;
+    a step that keeps all its drafts doubles the allowance (up to `max_k`) and resets the
+    cooling. On text that does not repeat, speculation then costs a draft every few dozen
+    steps."""
+    max_k: int                  # the request's ceiling (the plan's, or lower if it asked)
+    k: int = -1                 # drafts allowed now (-1: max_k)
+    cooling: int = 4            # steps without drafts the next time k reaches 0
+    rest: int = 0               # steps left without drafts
+    drafted: int = 0            # draft tokens verified for the request
+    accepted: int = 0           # of those, kept
+
+    def __post_init__(self):
+        if self.k < 0:
+            self.k = self.max_k
+
+    def limit(self) -> int:
+        """Drafts allowed this step (a step of the request that may speculate)."""
+        if self.rest:
+            self.rest -= 1
+            return 0
+        return self.k
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verified step: `accepted` of `drafted` drafts kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted and accepted == drafted:
+            self.k, self.cooling = min(self.max_k, max(1, 2 * self.k)), 4
+        elif drafted and accepted == 0:
+            self.k //= 2
+            if self.k == 0:
+                self.rest, self.cooling, self.k = self.cooling, min(64, 2 * self.cooling), 1
 
 
 class NgramIndex:

@@ -14,7 +14,7 @@ from kiln.plugins.inflight_batching import (DraftPolicy, Scheduler, SchedulerCon
 import torch
 
 from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState
-from kiln.runtime.speculative import NgramIndex, SpeculativeConfig, num_kept
+from kiln.runtime.speculative import DraftRecord, NgramIndex, SpeculativeConfig, num_kept
 from tests.helpers import TINY_SPEC as BASE, chi2_pvalue, spec_problems
 from tests.unit.test_manifest import MANIFEST
 
@@ -138,3 +138,33 @@ def test_sampled_verification_is_rejection_sampling(drafts):
         emitted.append(tuple(drafts[:a]) + (t[a],))
     assert chi2_pvalue(Counter(emitted), law, n) > 1e-3
     assert num_kept([5, 6, 7], [5, 6, 8, 1]) == 2 and num_kept([5], [4, 5]) == 0
+
+
+def test_draft_record_backs_off_on_rejection_and_grows_back_on_acceptance():
+    r = DraftRecord(4)
+    assert r.limit() == 4
+    r.record(4, 0)
+    assert r.limit() == 2                     # none kept: halved
+    r.record(2, 1)
+    assert r.limit() == 2                     # some kept: unchanged
+    r.record(2, 0)
+    r.record(1, 0)                            # k reaches 0: four steps without drafts
+    assert [r.limit() for _ in range(5)] == [0, 0, 0, 0, 1]
+    r.record(1, 0)                            # again: the cooling doubles
+    assert [r.limit() for _ in range(9)] == [0] * 8 + [1]
+    r.record(1, 1)                            # all kept: doubled, cooling back to 4
+    assert r.limit() == 2 and r.cooling == 4
+    r.record(2, 2)
+    r.record(4, 4)
+    assert r.limit() == 4                     # never past the ceiling
+    assert (r.drafted, r.accepted) == (4 + 2 + 2 + 1 + 1 + 1 + 2 + 4, 1 + 1 + 2 + 4)
+    assert DraftRecord(4, cooling=4).limit() == 4
+
+
+def test_draft_record_bounds_the_cost_of_text_that_never_repeats():
+    r = DraftRecord(8)
+    for _ in range(1000):                     # every draft rejected
+        k = r.limit()
+        if k:
+            r.record(k, 0)
+    assert r.drafted < 8 + 4 + 2 + 1 + 1000 // 64 + 6     # ~ one draft per 64 steps

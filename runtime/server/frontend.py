@@ -48,9 +48,13 @@ class Frontend:
         self.state = State.LOADING
         self.metrics = metrics or Metrics(lambda: self.engine)
         self.in_flight: dict[str, RequestStream] = {}
+        # requests past the readiness check but not in in_flight yet (being tokenized or
+        # their constraint compiled, off the loop): accepted, so the drain waits for them
+        self.admitting = 0
         self.started = time.time()
         self.last_request_ms = 0
         self._ids = itertools.count()
+        self._cancel_all = False
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def set_ready(self, engine: Engine, plan: Plan) -> None:
@@ -81,15 +85,21 @@ class Frontend:
                               "restarted")
 
     async def wait_idle(self, timeout: float, stop: Optional[asyncio.Event] = None) -> bool:
-        """Wait until no request is in flight (True) or timeout seconds pass or `stop` is
-        set (False)."""
+        """Wait until no request is in flight or being admitted (True) or timeout seconds
+        pass or `stop` is set (False)."""
         deadline = time.monotonic() + timeout
-        while self.in_flight and time.monotonic() < deadline and not (stop and stop.is_set()):
+        while (self.busy and time.monotonic() < deadline and not (stop and stop.is_set())):
             await asyncio.sleep(0.02)
-        return not self.in_flight
+        return not self.busy
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.in_flight or self.admitting)
 
     def cancel_all(self) -> int:
-        """Cancel every request in flight (each ends with finish_reason 'cancelled')."""
+        """Cancel every request in flight (each ends with finish_reason 'cancelled'), and
+        those still being admitted as they are submitted."""
+        self._cancel_all = True
         streams = list(self.in_flight.values())
         for s in streams:
             s.cancel()
@@ -105,13 +115,19 @@ class Frontend:
             self.check_ready()
             self.limits.check_prompt(prompt, self.engine.config.input_len)
             self.limits.check_params(params)
-            guide = await self._compile(params)
-            stream = await self._submit(prompt, params, f"kiln-{next(self._ids)}", guide)
+            self.admitting += 1
+            try:
+                guide = await self._compile(params)
+                stream = await self._submit(prompt, params, f"kiln-{next(self._ids)}", guide)
+            finally:
+                self.admitting -= 1
         except Exception as e:
             err = classify(e)
             self.metrics.refused(err.outcome)
             raise err from (None if isinstance(e, ServiceError) else e)
         rid = stream.request_id
+        if self._cancel_all:
+            stream.cancel()
         self.in_flight[rid] = stream
         self.metrics.in_flight.inc()
         self.last_request_ms = int(time.time() * 1000)

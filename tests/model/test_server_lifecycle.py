@@ -152,6 +152,38 @@ def test_sigterm_drains_then_cancels_and_exits_3(tiny_plan, tmp_path):
     assert "auth: off, no bearer token on any port (gRPC " in server.log()
 
 
+def test_a_request_still_being_admitted_holds_the_drain(tiny_plan):
+    """A request that passed the readiness check but is still being submitted (its prompt
+    tokenized, its constraint compiled: off the event loop) counts for the drain: the drain
+    waits for it instead of stopping the server under it."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.plan import load_plan
+    from kiln.runtime.sampling import SamplingParams
+    from kiln.runtime.server.frontend import Frontend
+
+    async def main(engine, plan):
+        fe = Frontend(plan.manifest.name)
+        fe.set_ready(engine, plan)
+
+        async def one():
+            async with fe.request("admitted", SamplingParams(max_tokens=8, temperature=0)
+                                  ) as (_, outputs):
+                return [out async for out in outputs][-1]
+
+        task = asyncio.create_task(one())
+        await asyncio.sleep(0)          # the task is now waiting on its submission
+        fe.start_draining()
+        idle_at_once = await fe.wait_idle(0)
+        drained = await fe.wait_idle(30)
+        return idle_at_once, drained, await task
+
+    plan = load_plan(tiny_plan)
+    with Engine.from_plan(plan) as engine:
+        idle_at_once, drained, last = asyncio.run(main(engine, plan))
+    assert not idle_at_once and drained
+    assert last.finish_reason == "length" and last.usage.completion_tokens == 8
+
+
 def _refused_at_start(plan, *flags: str) -> str:
     """stderr of a `kiln serve` that must refuse to start: exit 2, one line, no traceback,
     and nothing loaded (the plan is loaded only after every port is bound)."""

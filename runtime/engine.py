@@ -212,7 +212,9 @@ class Engine:
         if req is None:
             return []
         if req.drafts is None:
-            req.drafts = DraftRecord(self.speculative.max_draft_tokens)
+            asked = seq.sampling.params.max_draft_tokens
+            req.drafts = DraftRecord(self.speculative.max_draft_tokens if asked is None
+                                     else asked)
         k = min(k, req.drafts.limit())
         if k < 1:
             return []
@@ -338,6 +340,7 @@ class Engine:
             if bad:
                 raise RequestRefused(f"{name}: token id {bad[0]} is outside the model's "
                                      f"vocabulary [0, {self.vocab_size})")
+        self._check_drafts(params.max_draft_tokens)
         ids = self._prompt_ids(prompt)
         self.scheduler.check(len(ids), params.max_tokens)
         tok = self.tokenizer
@@ -380,6 +383,17 @@ class Engine:
             self._pending_adds += 1
             self._cv.notify()
         return stream
+
+    def _check_drafts(self, k: Optional[int]) -> None:
+        """RequestRefused for a request asking for more drafts a step than this engine runs."""
+        spec = self.speculative
+        if k and spec is None:
+            raise RequestRefused(f"max_draft_tokens={k}: this engine does not speculate (its "
+                                 "plan has no speculative section, or serving turned it off); "
+                                 "send 0 or leave it unset")
+        if k and k > spec.max_draft_tokens:
+            raise RequestRefused(f"max_draft_tokens={k} exceeds the plan's "
+                                 f"speculative.max_draft_tokens ({spec.max_draft_tokens})")
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids, each checked against the model's and the tokenizer's
@@ -526,9 +540,11 @@ class Engine:
             ttft=None if req.first_token is None else req.first_token - req.arrival,
             tpot=(req.last_token - req.first_token) / (n - 1) if n > 1 else None,
             e2e=time.monotonic() - req.arrival if reason else None)
-        return RequestOutput(seq.request_id, toks, text, reason is not None, reason,
-                             Usage(seq.num_prompt_tokens, seq.num_cached_tokens, n), timings,
-                             seq.stop_reason, error)
+        d = req.drafts
+        usage = Usage(seq.num_prompt_tokens, seq.num_cached_tokens, n,
+                      d.drafted if d else 0, d.accepted if d else 0)
+        return RequestOutput(seq.request_id, toks, text, reason is not None, reason, usage,
+                             timings, seq.stop_reason, error)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def stats(self) -> dict:

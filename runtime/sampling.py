@@ -60,6 +60,8 @@ class SamplingParams:
     logprobs: Optional[int] = None       # per output token: its logprob and the top-N
     #                                      alternatives (0: the chosen token only); None: off
     guided: Optional[GuidedDecoding] = None  # constrain the output (JSON schema, regex, ...)
+    max_draft_tokens: Optional[int] = None   # speculative drafts a step at most (0: none);
+    #                                          None: the plan's speculative.max_draft_tokens
 
     def __post_init__(self):
         for name in ("stop", "bad_words"):
@@ -103,6 +105,9 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.max_draft_tokens is not None and (not _is_int(self.max_draft_tokens)
+                                                  or self.max_draft_tokens < 0):
+            bad("max_draft_tokens", "must be None or an integer >= 0 (0 = no speculation)")
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             bad("guided", "must be None or a runtime.guided.GuidedDecoding")
 

@@ -21,6 +21,8 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int       # prompt tokens served from the prefix cache
     completion_tokens: int
+    draft_tokens: int = 0           # speculative decoding: draft tokens verified
+    accepted_draft_tokens: int = 0  # of those, kept (each an output token)
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ INPUTS: dict[str, InputSpec] = {
     "return_num_input_tokens": InputSpec(_BOOL),
     "return_num_output_tokens": InputSpec(_BOOL),
     "ignore_eos": InputSpec(_BOOL),        # genai-perf's --extra-inputs ignore_eos:true
+    "max_draft_tokens": InputSpec(_I32),   # speculative drafts a step at most (0: none)
     # TensorRT-LLM clients may send these as false; true asks for what is not served
     "return_log_probs": InputSpec(_BOOL),
     "return_context_logits": InputSpec(_BOOL),
@@ -182,7 +183,7 @@ def parse(request, max_tokens_limit: int, limits: RequestLimits = RequestLimits(
     if "seed" in v and "random_seed" in v and v["seed"] != v["random_seed"]:
         raise invalid("seed and random_seed (its TensorRT-LLM name) disagree")
     kw = {k: v[k] for k in ("temperature", "top_k", "repetition_penalty", "presence_penalty",
-                            "frequency_penalty") if k in v}
+                            "frequency_penalty", "max_draft_tokens") if k in v}
     if "top_p" in v:
         kw["top_p"] = v["top_p"] if v["top_p"] > 0 else 1.0
     if "min_tokens" in v or "min_length" in v:

@@ -15,7 +15,7 @@ from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 
 _OPTIONAL = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-             "skip_special_tokens")
+             "skip_special_tokens", "max_draft_tokens")
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:
@@ -72,7 +72,9 @@ def chunk(request_id: str, out: RequestOutput) -> pb.GenerateResponse:
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens,
                        cached_tokens=out.usage.cached_tokens,
-                       completion_tokens=out.usage.completion_tokens),
+                       completion_tokens=out.usage.completion_tokens,
+                       draft_tokens=out.usage.draft_tokens,
+                       accepted_draft_tokens=out.usage.accepted_draft_tokens),
         timings=timings, error=out.error or "")
 
 

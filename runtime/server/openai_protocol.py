@@ -119,6 +119,7 @@ class _Common(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    max_draft_tokens: Optional[int] = None    # speculative drafts a step at most (0: none)
 
 
 class CompletionBody(_Common):
@@ -190,7 +191,8 @@ def _params(b: _Common, max_tokens: Optional[int], logprobs: Optional[int],
     kw = {k: getattr(b, k) for k in ("temperature", "top_p", "presence_penalty",
                                      "frequency_penalty", "seed", "top_k", "min_p",
                                      "repetition_penalty", "min_tokens", "ignore_eos",
-                                     "skip_special_tokens", "include_stop_str_in_output")
+                                     "skip_special_tokens", "include_stop_str_in_output",
+                                     "max_draft_tokens")
           if getattr(b, k) is not None}
     kw.update(max_tokens=max_tokens, logprobs=logprobs, guided=guided,
               stop=b.stop or (), stop_token_ids=tuple(b.stop_token_ids or ()))
@@ -360,8 +362,10 @@ FINISH = {"stop": "stop", "length": "length"}
 
 def usage_json(usages: list[Optional[Usage]], n: int) -> dict:
     """usages: one per choice (prompt after prompt, n each). The prompt is counted once per
-    prompt (with the cached tokens of its first choice); completions are summed."""
-    prompt = cached = completion = 0
+    prompt (with the cached tokens of its first choice); completions are summed. Speculative
+    drafts, where any were verified, go into completion_tokens_details the way OpenAI counts
+    a prediction's tokens: accepted_prediction_tokens kept, rejected_prediction_tokens not."""
+    prompt = cached = completion = drafted = accepted = 0
     for i, u in enumerate(usages):
         if u is None:
             continue
@@ -369,9 +373,15 @@ def usage_json(usages: list[Optional[Usage]], n: int) -> dict:
             prompt += u.prompt_tokens
             cached += u.cached_tokens
         completion += u.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+        drafted += u.draft_tokens
+        accepted += u.accepted_draft_tokens
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    if drafted:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def _texts(tok: Tokenizer, lps: list[TokenLogprobs]) -> dict[int, str]:

@@ -209,6 +209,10 @@ def test_errors_in_openai_format(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=MODEL, prompt="x", max_tokens=2, echo=True)
     assert e.value.param == "echo"
+    with pytest.raises(openai.BadRequestError) as e:   # drafts asked of a plan without them
+        c.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                             extra_body={"max_draft_tokens": 2})
+    assert "max_draft_tokens=2: this engine does not speculate" in e.value.message
     r = httpx.post(server.base + "/v1/completions", content=b"{not json",
                    headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"

@@ -109,6 +109,12 @@ def test_native_client_health_reflection(kiln_server):
         assert last.finished and last.finish_reason == "length"
         assert last.usage.completion_tokens == 5 and sum(len(x.token_ids) for x in chunks) == 5
         assert last.timings.HasField("ttft") and last.timings.HasField("e2e")
+        assert last.usage.draft_tokens == last.usage.accepted_draft_tokens == 0
+        with pytest.raises(grpc.RpcError) as e:     # drafts asked of a plan without them
+            list(stub.Generate(pb.GenerateRequest(
+                prompt="hi", sampling=pb.SamplingParams(max_tokens=5, max_draft_tokens=1))))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_draft_tokens=1: this engine does not speculate" in e.value.details()
         tok = stub.Tokenize(pb.TokenizeRequest(prompt="hello"))
         assert len(tok.token_ids) >= 1 and len(tok.tokens) == len(tok.token_ids)
         info = stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -163,6 +169,8 @@ MALFORMED = {
     "prompt too long": (good(prompt=LONG_PROMPT), "max_input_len"),
     "invalid UTF-8": (good(prompt=b"caf\xc3("), "UTF-8"),
     "bad temperature": (good(temperature=("FP32", [1, 1], [-1.0])), "temperature"),
+    "drafts without speculation": (good(max_draft_tokens=("INT32", [1, 1], [2])),
+                                   "max_draft_tokens=2: this engine does not speculate"),
 }
 
 

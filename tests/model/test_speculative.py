@@ -273,3 +273,38 @@ def test_temperature_one_draws_follow_the_target_distribution():
         assert chi2_pvalue(counts, target, n) > 1e-3, (spec, counts.most_common(5))
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
     assert stats["spec_draft_tokens"] >= n       # most requests drafted
+
+
+def test_per_request_draft_limit_and_usage_counts():
+    """max_draft_tokens: 0 turns a request's speculation off, 1 caps its drafts a step, above
+    the plan's limit (or any with speculation off) is refused naming it; each request's
+    usage counts its drafts, and they add up to the engine's counters."""
+    from kiln.plugins.inflight_batching import RequestRefused
+
+    prompt = _looping_prompt()
+    base = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    want, _ = _run([prompt], SamplingParams(**base))
+    ks = [None, 0, 1, 4]
+    outs, engine = [], tiny_engine(start=False, speculative=SPEC)
+    for k in ks:
+        stream = engine.submit(prompt, SamplingParams(**base, max_draft_tokens=k))
+        engine.run_pending()
+        steps = []
+        while engine.scheduler.has_work():
+            steps.append(sum(len(o.token_ids) for o in engine.step()))
+        outs.append((stream.result(), max(steps)))
+    for k, (res, most) in zip(ks, outs):
+        assert res.token_ids == want[0].token_ids, k
+    assert [u.usage.draft_tokens > 0 for u, _ in outs] == [True, False, True, True]
+    assert [most for _, most in outs] == [5, 1, 2, 5]   # tokens a step: drafts kept + 1
+    stats = engine.stats()
+    assert sum(r.usage.draft_tokens for r, _ in outs) == stats["spec_draft_tokens"]
+    assert sum(r.usage.accepted_draft_tokens for r, _ in outs) == stats["spec_accepted_tokens"]
+    with pytest.raises(RequestRefused, match=r"max_draft_tokens=5 exceeds the plan's "
+                                             r"speculative.max_draft_tokens \(4\)"):
+        engine.submit(prompt, SamplingParams(**base, max_draft_tokens=5))
+    plain = tiny_engine(start=False)
+    with pytest.raises(RequestRefused, match="max_draft_tokens=1: this engine does not "
+                                             "speculate"):
+        plain.submit(prompt, SamplingParams(**base, max_draft_tokens=1))
+    plain.submit(prompt, SamplingParams(**base, max_draft_tokens=0))   # 0: nothing to refuse

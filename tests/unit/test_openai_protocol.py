@@ -94,6 +94,9 @@ def test_usage_counts_each_prompt_once():
     u = usage_json([Usage(10, 8, 3), Usage(10, 10, 4), Usage(5, 0, 1), Usage(5, 5, 1)], n=2)
     assert u == {"prompt_tokens": 15, "completion_tokens": 9, "total_tokens": 24,
                  "prompt_tokens_details": {"cached_tokens": 8}}
+    u = usage_json([Usage(10, 8, 3, 4, 1), Usage(10, 10, 4, 6, 3)], n=2)   # speculated
+    assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 4,
+                                              "rejected_prediction_tokens": 6}
 
 
 def test_sampler_logprobs_are_of_the_raw_distribution():

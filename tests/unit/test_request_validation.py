@@ -169,3 +169,33 @@ def test_lone_surrogate_prompt_and_template_refusal_are_invalid_requests():
         with pytest.raises(Exception) as e:
             bad()
         assert classify(e.value).code == grpc.StatusCode.INVALID_ARGUMENT, e.value
+
+
+@pytest.mark.parametrize("k", [-1, True, 1.5])
+def test_max_draft_tokens_must_be_a_count(k):
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        SamplingParams(max_draft_tokens=k)
+
+
+def test_max_draft_tokens_reaches_sampling_params_in_every_api():
+    from kiln.runtime.server.native import sampling_params
+    from kiln.runtime.server.proto import kiln_pb2 as pb
+
+    job = parse_completion({"model": "m", "prompt": "hi", "max_draft_tokens": 2}, TOK)
+    assert job.choices[0][1].max_draft_tokens == 2
+    assert parse_completion({"model": "m", "prompt": "hi"}, TOK).choices[0][1] \
+        .max_draft_tokens is None
+    with pytest.raises(OpenAIError) as e:
+        parse_completion({"model": "m", "prompt": "hi", "max_draft_tokens": -1}, TOK)
+    assert e.value.status == 400 and e.value.param == "max_draft_tokens"
+    assert sampling_params(pb.SamplingParams(max_draft_tokens=0)).max_draft_tokens == 0
+    assert sampling_params(pb.SamplingParams()).max_draft_tokens is None
+    r = _kserve()
+    r.inputs.add(name="max_draft_tokens", datatype="INT32", shape=[1, 1])
+    r.raw_input_contents.append(np.asarray([3], "<i4").tobytes())
+    assert parse(r, 100).params.max_draft_tokens == 3
+    r.raw_input_contents[-1] = np.asarray([-2], "<i4").tobytes()
+    with pytest.raises(ServiceError) as e:
+        parse(r, 100)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_draft_tokens" in e.value.message

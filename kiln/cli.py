@@ -186,6 +186,9 @@ def serve(
     expect_digest: Optional[str] = typer.Option(
         None, "--expect-digest", metavar="SHA256", help="refuse the plan unless the sha256 of "
         "its plan.json is this (kiln ci current NAME --digest)"),
+    speculative: str = typer.Option(
+        "plan", "--speculative", metavar="plan|off", help="speculative decoding: as the plan "
+        "was built (its speculative section, if any), or off"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
@@ -217,7 +220,7 @@ def _serve_config(a: dict):
                       auth_token=_auth_token(a["auth_token"], a["auth_token_file"]),
                       http_port=a["http_port"], metrics_host=a["metrics_host"],
                       metrics_auth=a["metrics_auth"], threads=a["threads"],
-                      expect_digest=a["expect_digest"])
+                      expect_digest=a["expect_digest"], speculative=a["speculative"])
     try:   # the caps: each flag is its field's name (guided: --guided-NAME)
         cfg = dataclasses.replace(cfg, limits=RequestLimits(**{
             f.name: a[f.name] for f in dataclasses.fields(RequestLimits) if f.name in a}))

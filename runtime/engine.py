@@ -34,7 +34,8 @@ from kiln.runtime.guided import (CompileBusy, GrammarCache, Guide, GuidedDecodin
 from kiln.runtime.model_runner import ModelRunner
 from kiln.runtime.plan import Plan, load_plan
 from kiln.runtime.sampling import Sampler, SamplingParams, SamplingState, TokenLogprobs
-from kiln.runtime.speculative import DraftRecord, NgramIndex, SpeculativeConfig
+from kiln.runtime.speculative import (DraftRecord, NgramIndex, SpeculativeConfig,
+                                      serving_choice)
 from kiln.runtime.streams import (RequestOutput, RequestResult, RequestStream, Timings,  # noqa: F401
                              Usage, hold_posts, release_posts)
 from kiln.runtime.tokenizer import Tokenizer
@@ -180,11 +181,12 @@ class Engine:
     def from_plan(cls, plan: Union[str, Path, Plan], kv_budget_bytes: Optional[int] = None,
                   start: bool = True, num_threads: Optional[int] = None,
                   guided_limits: Optional[GuidedLimits] = None,
-                  speculative: Union[bool, SpeculativeConfig] = True,
+                  speculative: Union[bool, str, SpeculativeConfig] = "plan",
                   **overrides) -> "Engine":
         """Load a built plan. `overrides`: EngineConfig fields; limits only lowered.
-        speculative: True = the plan's speculative section (if any), False = off, or a
-        configuration of its own."""
+        speculative: "plan" (True) = the plan's speculative section (if any), "off" (False)
+        = none, or a configuration of its own (`kiln serve --speculative`)."""
+        speculative = serving_choice(speculative)
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
         if speculative is True:

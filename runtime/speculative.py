@@ -26,9 +26,10 @@ were rejected (DraftRecord).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 METHODS = ("ngram", "draft")   # draft: runtime/draft_model.py
+SERVING = ("plan", "off")     # `kiln serve --speculative`: the plan's section, or none
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,18 @@ class SpeculativeConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"speculative: need 1 <= ngram_min ({self.ngram_min}) <= "
                              f"ngram_max ({self.ngram_max})")
+
+
+def serving_choice(value: Union[bool, str, SpeculativeConfig]
+                   ) -> Union[bool, SpeculativeConfig]:
+    """Engine.from_plan's `speculative`: "plan" (or True) = the plan's section, "off" (or
+    False) = none, or a configuration of its own. ValueError naming the choices otherwise."""
+    if isinstance(value, (bool, SpeculativeConfig)):
+        return value
+    if value not in SERVING:
+        raise ValueError(f"speculative={value!r}: the choices are {', '.join(SERVING)} (the "
+                         "plan's speculative section, or none)")
+    return value == "plan"
 
 
 @dataclass

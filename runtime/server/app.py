@@ -43,6 +43,7 @@ from kiln.runtime.server.limits import RequestLimits
 from kiln.runtime.server.metrics import MetricsServer
 from kiln.runtime.server.native import NativeService
 from kiln.runtime.server.proto import kiln_pb2, kiln_pb2_grpc
+from kiln.runtime.speculative import SERVING
 
 if TYPE_CHECKING:
     from kiln.runtime.server.openai_http import HttpServer
@@ -76,6 +77,7 @@ class ServeConfig:
     guided: GuidedLimits = GuidedLimits()    # output constraints' costs (runtime/guided.py)
     threads: Optional[int] = None            # the engine thread's compute threads
     expect_digest: Optional[str] = None      # refuse a plan whose plan.json sha256 differs
+    speculative: str = "plan"                # the plan's speculative section, or "off"
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -96,6 +98,9 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
         raise ServeError(f"--{e.field.replace('_', '-')} {e.problem}")
     if (cfg.tls_cert is None) != (cfg.tls_key is None):
         raise ServeError("TLS needs both --tls-cert and --tls-key")
+    if cfg.speculative not in SERVING:
+        raise ServeError(f"--speculative {cfg.speculative}: the choices are "
+                         f"{', '.join(SERVING)} (the plan's speculative section, or none)")
     if cfg.auth_token is not None and not cfg.auth_token.strip():
         raise ServeError("--auth-token is empty (an unset variable?): give the token, or "
                          "leave the flag out to serve without auth")
@@ -389,7 +394,7 @@ async def drain_and_stop(cfg: ServeConfig, fe: Frontend, ports: Listeners,
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
     plan = load_plan(cfg.plan, cfg.expect_digest)   # the bytes it runs, checked again
     return Engine.from_plan(plan, num_threads=cfg.threads, guided_limits=cfg.guided,
-                            **cfg.overrides()), plan
+                            speculative=cfg.speculative, **cfg.overrides()), plan
 
 
 async def drain(fe: Frontend, server, health_svc, seconds: float,

@@ -223,7 +223,7 @@ def test_compiled_plan_speculates_with_identical_output(ngram_plan):
                      r"ngram_max=4, max_batch=4$", describe(m, ngram_plan), re.M)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = [[5, 9, 13] * 6, [100 + i % 7 for i in range(30)], [3, 1, 4, 1, 5, 9, 2, 6]]
-    with Engine.from_plan(ngram_plan, speculative=False) as plain:
+    with Engine.from_plan(ngram_plan, speculative="off") as plain:
         first = plain.generate(prompts, params)
         prompts = [p + r.token_ids for p, r in zip(prompts, first)]   # the model's own loops
         want = plain.generate(prompts, params)
@@ -233,6 +233,23 @@ def test_compiled_plan_speculates_with_identical_output(ngram_plan):
         stats = spec.stats()
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert stats["spec_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
+def test_serve_speculative_choice(ngram_plan):
+    """`kiln serve --speculative plan|off` (ServeConfig.speculative): the plan's section or
+    none; anything else is refused before the plan loads, naming the choices."""
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.server.app import ServeConfig, ServeError, _load, check_config
+
+    with pytest.raises(ServeError, match="--speculative on: the choices are plan, off"):
+        check_config(ServeConfig(plan=ngram_plan, speculative="on"))
+    for choice, max_k in (("plan", 4), ("off", None)):
+        engine, _ = _load(ServeConfig(plan=ngram_plan, speculative=choice))
+        with engine:
+            spec = engine.speculative
+            assert (spec and spec.max_draft_tokens) == max_k, choice
+    with pytest.raises(ValueError, match="speculative='on': the choices are plan, off"):
+        Engine.from_plan(ngram_plan, speculative="on")
 
 
 def _target_joint(prompt: list[int], params: SamplingParams, n: int) -> dict:

@@ -1,15 +1,16 @@
 """N-gram speculative decoding vs none on one plan, side by side in one run (not a test).
 
     python -m bench.speculative plans/smollm2-135m-cpu [--rounds 2] [--max-tokens 96]
-        [--draft 4] [--threads 2] [--out bench/results/speculative.json]
+        [--draft 4] [--streams 1,8,32] [--threads 2] [--out bench/results/speculative.json]
 
 Two in-process Engines over the same plan: one with speculation (n-gram, --draft tokens)
-and one without. Each round runs every prompt on each engine alternately, single stream
-(one request at a time), greedy: (a) input-grounded prompts (quote, edit or repeat a given
-text: the output copies the input, where prompt lookup proposes well) and (b) open chat
-prompts. Reported per kind and side: output tokens/s (sum of tokens over sum of request
-wall times), the acceptance rate (accepted / drafted), the mean tokens per step, and whether
-every output is token-for-token the one without speculation.
+and one without. At each concurrency of --streams, each round runs the prompts on each
+engine alternately, that many requests at a time (a batch of 1 is one request alone; a
+larger one cycles the prompts to fill it), greedy: (a) input-grounded prompts (quote, edit
+or repeat a given text: the output copies the input, where prompt lookup proposes well) and
+(b) open chat prompts. Reported per kind, concurrency and side: output tokens/s (sum of
+tokens over sum of batch wall times), mean TPOT, the acceptance rate (accepted / drafted)
+and whether every output is token-for-token the one without speculation.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from kiln.runtime.engine import Engine
 from kiln.runtime.sampling import SamplingParams
 from kiln.runtime.speculative import SpeculativeConfig
+from kiln.runtime.streams import RequestResult
 
 TEXT = ("The river rises in the northern hills and runs south for two hundred miles. "
         "Its water feeds three towns, a paper mill and the farms of the valley. In dry "
@@ -41,11 +43,22 @@ CHAT = [
 ]
 
 
-def run_one(engine: Engine, prompt: str, params: SamplingParams) -> tuple[list[int], float]:
-    """One request alone -> (its tokens, wall seconds)."""
+def run_batch(engine: Engine, prompts: list[str], params: SamplingParams
+              ) -> tuple[list[RequestResult], float]:
+    """Requests submitted together -> (their results, wall seconds of the batch). Chat
+    messages where the plan has a chat template, else the bare text."""
+    chat = bool(engine.tokenizer.chat_template)
     t0 = time.perf_counter()
-    res = engine.generate([[{"role": "user", "content": prompt}]], params)[0]
-    return res.token_ids, time.perf_counter() - t0
+    res = engine.generate([[{"role": "user", "content": p}] if chat else p for p in prompts],
+                          params)
+    return res, time.perf_counter() - t0
+
+
+def batches(prompts: list[str], streams: int) -> list[list[str]]:
+    """The prompts in groups of `streams` (cycled to fill one group when fewer)."""
+    if streams >= len(prompts):
+        return [[prompts[i % len(prompts)] for i in range(streams)]]
+    return [prompts[i:i + streams] for i in range(0, len(prompts), streams)]
 
 
 def main() -> None:
@@ -54,22 +67,25 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--draft", type=int, default=4, help="max_draft_tokens")
+    ap.add_argument("--streams", default="1", help="concurrencies, comma-separated: 1,8,32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    streams = [int(s) for s in args.streams.split(",")]
     spec = SpeculativeConfig(max_draft_tokens=args.draft)
     engines = {"off": Engine.from_plan(args.plan, num_threads=args.threads, speculative=False),
                "ngram": Engine.from_plan(args.plan, num_threads=args.threads,
                                          speculative=spec)}
     try:
         for e in engines.values():      # warm-up: first steps of a fresh engine are slower
-            run_one(e, CHAT[0], SamplingParams(max_tokens=8, temperature=0))
+            run_batch(e, CHAT[:1], SamplingParams(max_tokens=8, temperature=0))
         report = {"plan": args.plan, "machine": platform.processor() or platform.machine(),
                   "threads": args.threads, "max_tokens": args.max_tokens,
                   "speculative": spec.__dict__, "kinds": {}}
         for kind, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
-            report["kinds"][kind] = measure(engines, prompts, params, args.rounds)
+            report["kinds"][kind] = {str(n): measure(engines, batches(prompts, n), params,
+                                                     args.rounds) for n in streams}
     finally:
         for e in engines.values():
             e.shutdown()
@@ -78,26 +94,32 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
 
 
-def measure(engines: dict[str, Engine], prompts: list[str], params: SamplingParams,
+def measure(engines: dict[str, Engine], groups: list[list[str]], params: SamplingParams,
             rounds: int) -> dict:
-    """Alternating rounds over the prompts -> per side tokens/s, and the comparison."""
+    """Alternating rounds over the groups of prompts -> per side tokens/s and TPOT, and the
+    comparison."""
     tokens = {k: 0 for k in engines}
     seconds = {k: 0.0 for k in engines}
-    outputs: dict[str, dict[int, list[int]]] = {k: {} for k in engines}
+    tpots: dict[str, list[float]] = {k: [] for k in engines}
+    outputs: dict[str, dict[int, list[list[int]]]] = {k: {} for k in engines}
     spec = engines["ngram"]
     before = spec.stats()
     for _ in range(rounds):
-        for i, p in enumerate(prompts):
+        for i, group in enumerate(groups):
             for k, e in engines.items():
-                toks, dt = run_one(e, p, params)
-                tokens[k] += len(toks)
+                res, dt = run_batch(e, group, params)
+                tokens[k] += sum(len(r.token_ids) for r in res)
                 seconds[k] += dt
-                outputs[k][i] = toks
+                tpots[k] += [r.timings.tpot for r in res if r.timings.tpot is not None]
+                outputs[k][i] = [r.token_ids for r in res]
     after = spec.stats()
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     tps = {k: tokens[k] / seconds[k] for k in engines}
-    return {"tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+    return {"streams": len(groups[0]),
+            "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+            "tpot_ms": {k: round(1000 * sum(v) / len(v), 2) if v else None
+                        for k, v in tpots.items()},
             "speedup": round(tps["ngram"] / tps["off"], 3),
             "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,

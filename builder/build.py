@@ -28,6 +28,7 @@ from kiln.contracts.manifest import (AccuracyRecord, CheckSection, EngineSection
                                      PrecisionSection, QuantizationRecord, SchedulerSection,
                                      SpeculativeSection,
                                      TargetSection, ToolchainSection)
+from kiln.contracts.manifest import LoraSection
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
 # need them: an up-to-date check must answer in well under 2 seconds.
@@ -199,6 +200,7 @@ class _Built:
     engine: EngineSection
     check: Optional[CheckSection]
     accuracy: Optional[AccuracyRecord]
+    lora: Optional[LoraSection] = None     # the step takes adapters (a spec with lora)
 
 
 def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
@@ -218,15 +220,17 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     model.eval()
     gate = _reference(model, spec, ckpt, progress)
     quantization = _quantize(model, spec, ckpt, progress)
-    engine = _compile(model, tmp, spec, target, progress)
+    lora = _enable_lora(model, spec)
+    engine = _compile(model, tmp, spec, target, progress, lora)
     progress.stage("checking the compiled step against the eager model")
-    check = kcompile.check_engine(model, tmp, engine, spec, spec.kv_dtype)
+    check = kcompile.check_engine(model, tmp, engine, spec, spec.kv_dtype, lora)
     del model
-    accuracy = None if gate is None else _accuracy_gate(gate, tmp, engine, spec, progress)
+    accuracy = (None if gate is None
+                else _accuracy_gate(gate, tmp, engine, spec, progress, lora))
     (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
     manifest = _manifest(tmp, spec, spec_path, ckpt, target, fp, fp_inputs,
-                         _Built(quantization, engine, check, accuracy))
+                         _Built(quantization, engine, check, accuracy, lora))
     (tmp / MANIFEST_FILE).write_text(manifest.dumps())
     return manifest
 
@@ -244,8 +248,27 @@ def _reference(model, spec: Spec, ckpt, progress: Progress):
     return gate
 
 
+def _enable_lora(model, spec: Spec) -> Optional[LoraSection]:
+    """Make the step take adapters (a spec with lora) -> the manifest's lora section."""
+    if spec.lora is None:
+        return None
+    from kiln.builder.arch import lora as lora_arch
+
+    try:
+        model.enable_lora(spec.lora.target_modules)
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    dims = lora_arch.module_dims(model.cfg)
+    targets = spec.lora.target_modules
+    return LoraSection(max_rank=spec.lora.max_rank, target_modules=targets,
+                       max_adapters_per_batch=spec.lora.max_adapters_per_batch,
+                       max_cpu_adapters=spec.lora.max_cpu_adapters,
+                       in_features={m: dims[m][0] for m in targets},
+                       out_features={m: dims[m][1] for m in targets})
+
+
 def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
-             progress: Progress) -> EngineSection:
+             progress: Progress, lora: Optional[LoraSection] = None) -> EngineSection:
     """The plugins' kernels and the engine step, compiled into tmp -> the engine section."""
     from kiln.builder import compile as kcompile
     from kiln.plugins import isa as cpu_isa
@@ -262,7 +285,7 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
     max_blocks = math.ceil(limits.max_seq_len / spec.kv_cache.tokens_per_block)
     progress.stage(f"capturing the engine step (torch.export, backend {spec.target.backend})")
     captured = kcompile.capture(model, limits.max_num_tokens, limits.max_batch_size, max_blocks,
-                                spec.kv_cache.tokens_per_block, spec.kv_dtype)
+                                spec.kv_cache.tokens_per_block, spec.kv_dtype, lora)
     progress.stage("compiling ahead of time (AOTInductor)" if spec.target.backend == "aoti"
                    else "saving the exported program (eager backend)")
     engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend,
@@ -272,7 +295,7 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
     return EngineSection(backend=spec.target.backend, file=engine_file.name,
                          kernels=tuple(k.relative_to(tmp).as_posix() for k in kernels),
                          plugins=tuple(kcompile.engine_plugins(spec, moe)),
-                         kernel_paths=kernel_paths, inputs=tuple(kcompile.INPUT_NAMES))
+                         kernel_paths=kernel_paths, inputs=kcompile.input_names(lora is not None))
 
 
 def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
@@ -319,6 +342,7 @@ def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp:
         files=files,
         speculative=(None if spec.speculative is None else
                      SpeculativeSection(**spec.speculative.model_dump(mode="json"))),
+        lora=built.lora,
     )
 
 
@@ -354,14 +378,18 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> QuantizationRecord
 
 
 def _accuracy_gate(gate, tmp: Path, engine: EngineSection, spec: Spec,
-                   progress: Progress) -> AccuracyRecord:
-    """Run the compiled plan on the evaluation text; BuildError when over the limit."""
+                   progress: Progress, lora: Optional[LoraSection] = None) -> AccuracyRecord:
+    """Run the compiled plan on the evaluation text (a LoRA plan: its base model); BuildError
+    when over the limit."""
     from kiln.builder.accuracy_reference import gate_message
+    from kiln.runtime.lora_buffers import base_only
     from kiln.runtime.plan import load_engine
 
     progress.stage(f"accuracy gate: compiled plan vs unquantized model on {len(gate.ids)} "
                    f"tokens of {gate.text_name}")
     step = load_engine(tmp, engine)
+    if lora is not None:
+        step = base_only(step, lora, gate.ckpt.config.num_layers)
     score = gate.run(step, spec.kv_dtype, tmp)
     progress.stage("accuracy: " + score.describe(gate.text_name))
     msg = gate_message(score, spec.name, spec.precision.weights, spec.kv_dtype)

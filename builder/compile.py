@@ -18,6 +18,8 @@ from kiln.contracts.manifest import CheckSection, EngineSection
 from kiln.plugins.isa import IsaLevel
 from kiln.plugins.paged_kv import kv_format
 from kiln.runtime.executor import STEP_INPUTS, ModelInput
+from kiln.runtime.lora_buffers import STEP_INPUT_NAMES as LORA_INPUT_NAMES
+from kiln.runtime.lora_buffers import LoraBuffers
 
 INPUT_NAMES = tuple(s.name for s in STEP_INPUTS) + ("k_caches", "v_caches")
 
@@ -25,7 +27,13 @@ INPUT_NAMES = tuple(s.name for s in STEP_INPUTS) + ("k_caches", "v_caches")
 def engine_plugins(spec, moe: bool = False) -> list[str]:
     """The plugins whose ops the engine calls (imported by the runtime before it loads);
     `moe`: the model has experts (kiln::moe_experts)."""
-    return ["paged_kv"] + (["quant"] if spec.packed_weights else []) + (["moe"] if moe else [])
+    return (["paged_kv"] + (["quant"] if spec.packed_weights else []) + (["moe"] if moe else [])
+            + (["lora"] if spec.lora is not None else []))
+
+
+def input_names(lora: bool) -> tuple[str, ...]:
+    """The engine-step inputs in order; a plan with lora takes the adapters last."""
+    return INPUT_NAMES + (LORA_INPUT_NAMES if lora else ())
 
 
 def build_kernels(out_dir: Path, spec, level: IsaLevel | None, moe: bool = False) -> list[Path]:
@@ -46,6 +54,10 @@ def build_kernels(out_dir: Path, spec, level: IsaLevel | None, moe: bool = False
         from kiln.plugins.moe import kernels as moe_kernels
 
         libs.append(moe_kernels.build(level))
+    if spec.lora is not None:
+        from kiln.plugins.lora import kernels as lora_kernels
+
+        libs.append(lora_kernels.build(level))
     libs.append(call_kernels.build(level))   # the runtime calls the engine through it, GIL free
     out_dir.mkdir(parents=True, exist_ok=True)
     copied = []
@@ -93,8 +105,9 @@ def sample_input(T: int, B: int, tokens_per_block: int, num_logits: int) -> Mode
 
 
 def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, max_blocks: int,
-            tokens_per_block: int, kv_dtype: str):
-    """torch.export the engine step with dynamic dims bounded by the limits."""
+            tokens_per_block: int, kv_dtype: str, lora=None):
+    """torch.export the engine step with dynamic dims bounded by the limits; `lora` (the
+    manifest's LoraSection): the step also takes the adapters."""
     cfg = model.cfg
     B = min(2, max_batch_size)
     T = min(max(B, 8), max_num_tokens) if max_num_tokens >= 2 else 1
@@ -115,8 +128,15 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
         [{0: nb_dim}] * cfg.num_layers,
         [{0: nb_dim}] * cfg.num_layers,
     )
+    args = (*inp.args(), kc, vc)
+    if lora is not None:
+        n = len(lora.target_modules)
+        slots = torch.arange(T, dtype=torch.int64) % (lora.max_adapters_per_batch + 1) - 1
+        args += LoraBuffers(lora, cfg.num_layers).args(slots)
+        dynamic_shapes += ({0: dims["T"]} if dims["T"] is not None else None, None,
+                           [None] * n, [None] * n)
     with torch.no_grad():
-        return torch.export.export(model, (*inp.args(), kc, vc), dynamic_shapes=dynamic_shapes)
+        return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
 
 
 def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path:
@@ -159,11 +179,13 @@ def _runs_rows16(model: torch.nn.Module) -> bool:
 
 @torch.no_grad()
 def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, spec,
-                 kv_dtype: str) -> CheckSection:
+                 kv_dtype: str, lora=None) -> CheckSection:
     """Run the compiled step and the eager model on the same batches; they must agree.
 
     Two steps over the same pool (a prefill chunk, then decodes) so the in-place KV writes of
-    the compiled step are exercised too. Returns the max logit difference.
+    the compiled step are exercised too; `lora` (LoraSection): random adapters in every slot,
+    a different one per sequence and one sequence on the base model. Returns the max logit
+    difference.
     """
     from kiln.runtime.plan import load_engine
 
@@ -180,11 +202,17 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     tables = [[1 + 4 * i + j for j in range(4)][::-1] for i in range(B)]
     worst, scale = 0.0, 0.0
     starts = [0] * B
+    adapters = None
+    if lora is not None:
+        adapters = LoraBuffers(lora, cfg.num_layers)
+        adapters.fill_random(g)
+        seq_slots = [i % adapters.num_slots for i in range(B - 1)] + [-1]
     for _ in range(2):
         toks = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
         inp = ModelInput.build(toks, starts, tables, bs)
-        ref = model(*inp.args(), *pools[0])
-        got = step(*inp.args(), *pools[1])
+        extra = () if adapters is None else adapters.args(adapters.token_slots(seq_slots, lens))
+        ref = model(*inp.args(), *pools[0], *extra)
+        got = step(*inp.args(), *pools[1], *extra)
         worst = max(worst, (ref - got).abs().max().item())
         scale = max(scale, ref.abs().max().item())
         starts = [s + n for s, n in zip(starts, lens)]

@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kiln.contracts import default_input_len
+from kiln.contracts.manifest import LORA_MODULES
 
 WEIGHT_PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
 KV_PRECISIONS = ("fp32", "bf16", "fp16", "int8", "fp8")
@@ -244,6 +245,35 @@ class SpeculativeSpec(_Strict):
         return self
 
 
+class LoraSpec(_Strict):
+    max_rank: int = Field(ge=1, le=256, description="highest adapter rank the plan serves "
+                          "(lower ranks are zero-padded to it)")
+    target_modules: tuple[str, ...] = Field(
+        default=LORA_MODULES, min_length=1, description="the decoder layers' linears an "
+        f"adapter may change, by PEFT's names: {', '.join(LORA_MODULES)}")
+    max_adapters_per_batch: int = Field(default=4, ge=1, le=64, description="different "
+                                        "adapters in one engine step (requests of more wait)")
+    max_cpu_adapters: int = Field(default=16, ge=1, description="adapters loaded at once")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [m for m in v if m not in LORA_MODULES]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a LoRA target; allowed: "
+                             f"{', '.join(LORA_MODULES)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{list(v)} names a module twice")
+        return tuple(m for m in LORA_MODULES if m in v)       # the step's one order
+
+    @model_validator(mode="after")
+    def _residency(self):
+        if self.max_cpu_adapters < self.max_adapters_per_batch:
+            raise ValueError(f"max_cpu_adapters ({self.max_cpu_adapters}) must be at least "
+                             f"max_adapters_per_batch ({self.max_adapters_per_batch})")
+        return self
+
+
 class AccuracySpec(_Strict):
     max_ppl_increase: Optional[float] = Field(
         default=None, ge=0, description="largest relative perplexity increase over the "
@@ -270,6 +300,7 @@ class Spec(_Strict):
     kv_cache: KVCacheSpec = KVCacheSpec()
     scheduler: SchedulerSpec = SchedulerSpec()
     speculative: Optional[SpeculativeSpec] = None
+    lora: Optional[LoraSpec] = None
     accuracy: AccuracySpec = AccuracySpec()
     golden: tuple[GoldenPrompt, ...] = ()
     golden_agreement: Optional[float] = Field(
@@ -369,7 +400,7 @@ class Spec(_Strict):
     def canonical(self) -> dict:
         """The resolved spec as plain data, defaults filled in (stable for hashing)."""
         data = self.model_dump(mode="json")
-        for key in ("golden_agreement", "speculative"):   # added later: unset keeps old
+        for key in ("golden_agreement", "speculative", "lora"):   # added later: unset keeps old
             if data[key] is None:                          # fingerprints
                 del data[key]
         return data

@@ -307,6 +307,35 @@ class SpeculativeSection(_Section):
                                 ">= 1 and max_batch >= 1")
 
 
+# The linear modules of a decoder layer an adapter may target, by PEFT's names.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSection(_Section):
+    """lora: the plan's step takes per-token adapter slots and stacked adapter weights as
+    inputs (runtime/lora.py), so adapters are loaded and swapped without a rebuild."""
+    max_rank: int                        # R: every adapter is zero-padded to it
+    target_modules: tuple[str, ...]      # LORA_MODULES the step adds a LoRA term to, in order
+    max_adapters_per_batch: int          # S: adapter slots of one step
+    max_cpu_adapters: int                # adapters loaded at once
+    in_features: dict[str, int]          # module -> its input width
+    out_features: dict[str, int]         # module -> its output width
+
+    def _validate(self, path: str) -> None:
+        bad = [m for m in self.target_modules if m not in LORA_MODULES]
+        if bad or not self.target_modules:
+            raise ManifestError(f"{path}.target_modules", f"{list(self.target_modules)}; "
+                                f"this kiln knows {', '.join(LORA_MODULES)}")
+        if set(self.in_features) != set(self.target_modules) or \
+                set(self.out_features) != set(self.target_modules):
+            raise ManifestError(path, "in_features and out_features must name exactly the "
+                                "target modules")
+        if min(self.max_rank, self.max_adapters_per_batch, self.max_cpu_adapters) < 1:
+            raise ManifestError(path, "max_rank, max_adapters_per_batch and max_cpu_adapters "
+                                "must be >= 1")
+
+
 @dataclass(frozen=True)
 class EngineSection(_Section):
     """engine: the compiled step and what must be loaded before it."""
@@ -393,6 +422,7 @@ class PlanManifest(_Section):
     accuracy: Optional[AccuracyRecord]   # the accuracy gate's record (quantized plans)
     files: dict[str, FileEntry]      # every other file of the plan: size and sha256
     speculative: Optional[SpeculativeSection] = None   # absent: no speculative decoding
+    lora: Optional[LoraSection] = None   # absent: the step takes no adapters
 
     @classmethod
     def from_json(cls, data: Any) -> "PlanManifest":
@@ -412,8 +442,9 @@ class PlanManifest(_Section):
 
     def to_json(self) -> dict:
         data = super().to_json()
-        if data["speculative"] is None:    # a plan without it is written as before
-            del data["speculative"]
+        for key in ("speculative", "lora"):    # a plan without them is written as before
+            if data[key] is None:
+                del data[key]
         return data
 
     def dumps(self) -> str:

@@ -37,6 +37,7 @@ import torch
 
 from kiln.contracts.reports import GateRerun, GateScore
 from kiln.runtime.executor import Executor, KVLayout, ModelInput
+from kiln.runtime.lora_buffers import base_only
 from kiln.runtime.plan import Plan, load_step_fn
 
 EVAL_TEXTS = ("pydoc",)
@@ -175,7 +176,10 @@ def rerun_gate(plan: Plan, step_fn=None) -> GateRerun:
                    recorded.eval_tokens)
     if sha256_ids(ids) != recorded.ids_sha256:
         raise ValueError("the evaluation tokens differ from the build's (tokenizer changed?)")
-    step_fn = step_fn or load_step_fn(plan)
+    if step_fn is None:
+        step_fn = load_step_fn(plan)
+        if m.lora is not None:                      # the gate scores the base model
+            step_fn = base_only(step_fn, m.lora, plan.shape.num_layers)
     shape, window = plan.shape, window_size(m.limits.max_num_tokens, m.limits.max_seq_len)
     layout = eval_layout(shape.num_layers, shape.num_kv_heads, shape.head_dim, window,
                          m.kv_cache.tokens_per_block, m.kv_cache.dtype)

@@ -17,6 +17,7 @@ import torch
 
 from kiln.contracts.manifest import KVCacheSection
 from kiln.plugins.paged_kv import kv_format
+from kiln.runtime.lora_buffers import LoraBuffers
 from kiln.runtime.plan import Plan, PlanError, load_step_fn
 
 
@@ -192,17 +193,27 @@ class Executor:
     """Runs a step function over KV pools it allocates once and writes in place."""
 
     def __init__(self, step_fn: Callable[..., torch.Tensor], layout: KVLayout,
-                 device: str = "cpu"):
+                 device: str = "cpu", lora: Optional[LoraBuffers] = None):
         self.step_fn = step_fn
         self.layout = layout
+        self.lora = lora          # a plan with lora: the adapter slots its step reads
         self.k_caches, self.v_caches = kv_format.new_pools(
             layout.dtype, layout.num_layers, layout.num_blocks, layout.tokens_per_block,
             layout.num_kv_heads, layout.head_dim, device)
 
     @torch.inference_mode()
-    def execute(self, batch: ModelInput) -> torch.Tensor:
-        """-> logits [B, vocab] float32."""
-        return self.step_fn(*batch.args(), self.k_caches, self.v_caches)
+    def execute(self, batch: ModelInput, lora_slots: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        """-> logits [B, vocab] float32. lora_slots [T]: each token's adapter slot (a plan
+        with lora; None: every token on the base model)."""
+        if self.lora is None:
+            if lora_slots is not None:
+                raise ValueError("this plan was built without lora: it takes no adapters")
+            return self.step_fn(*batch.args(), self.k_caches, self.v_caches)
+        if lora_slots is None:
+            lora_slots = torch.full(batch.input_ids.shape, -1, dtype=torch.int64)
+        return self.step_fn(*batch.args(), self.k_caches, self.v_caches,
+                            *self.lora.args(lora_slots))
 
     @classmethod
     def from_plan(cls, plan: Plan, kv_budget_bytes: int | None = None) -> "Executor":
@@ -214,4 +225,6 @@ class Executor:
                                          shape.num_kv_heads, shape.head_dim, kv.dtype)
         except ValueError as e:
             raise PlanError(f"plan {plan.path}: {e}") from None
-        return cls(load_step_fn(plan), layout)
+        lora = plan.manifest.lora
+        return cls(load_step_fn(plan), layout,
+                   lora=None if lora is None else LoraBuffers(lora, shape.num_layers))

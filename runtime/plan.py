@@ -229,7 +229,7 @@ def check_toolchain(manifest: PlanManifest, path: Path) -> None:
 
 
 # The plugins a plan's engine may name (imported for their op schemas before it loads).
-KNOWN_PLUGINS = ("paged_kv", "quant", "moe")
+KNOWN_PLUGINS = ("paged_kv", "quant", "moe", "lora")
 
 
 def confined(path: Path, rel: object, what: str) -> Path:

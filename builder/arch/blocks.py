@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.builder.arch.config import DecoderConfig
+from kiln.builder.arch.lora import ATTENTION_MODULES, LoraLayer, LoraStep
 from kiln.builder.arch.moe import MoE
+from kiln.contracts.manifest import LORA_MODULES
 from kiln.plugins.paged_kv import ops as paged_kv_ops  # registers kiln::paged_attention
 
 
@@ -82,6 +85,7 @@ class StepInputs:
     query_start_loc: torch.Tensor  # [B+1] offsets of each sequence's tokens along T
     cos: torch.Tensor = field(default=None)  # [T, 1, D]
     sin: torch.Tensor = field(default=None)
+    lora: Optional[LoraStep] = None           # the step's adapters (a plan with lora)
 
 
 class Attention(nn.Module):
@@ -106,10 +110,13 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, s: StepInputs, k_cache, v_cache):
+    def forward(self, x, s: StepInputs, k_cache, v_cache, lora: Optional[LoraLayer] = None):
         T = x.shape[0]
         qkv = self.wqkv(x)
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        if lora is not None:
+            q, k, v = (lora.apply("q_proj", q, x), lora.apply("k_proj", k, x),
+                       lora.apply("v_proj", v, x))
         q, k = q.view(T, self.h, self.d), k.view(T, self.kvh, self.d)  # [T, H|KVH, D]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -120,7 +127,8 @@ class Attention(nn.Module):
                                          s.block_tables, s.context_lens, s.query_start_loc,
                                          self.scale, window=self.window, softcap=self.softcap)
         # kiln::paged_attention (kiln::paged_attention_triton on CUDA)
-        return self.wo(o.reshape(T, self.h * self.d))
+        o = o.reshape(T, self.h * self.d)
+        return self.wo(o) if lora is None else lora.apply("o_proj", self.wo(o), o)
 
 
 class GatedMLP(nn.Module):
@@ -132,9 +140,12 @@ class GatedMLP(nn.Module):
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate|up
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)        # down
 
-    def forward(self, x):
+    def forward(self, x, lora: Optional[LoraLayer] = None):
         gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
-        return self.w2(F.silu(gate) * up)
+        if lora is None:
+            return self.w2(F.silu(gate) * up)
+        h = F.silu(lora.apply("gate_proj", gate, x)) * lora.apply("up_proj", up, x)
+        return lora.apply("down_proj", self.w2(h), h)
 
 
 class TransformerBlock(nn.Module):
@@ -146,9 +157,16 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, layer)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = MoE(cfg) if layer in cfg.sparse_layers else GatedMLP(cfg)
+        self.layer = layer
 
     def forward(self, x, s: StepInputs, k_cache, v_cache):
-        x = x + self.attention(self.attention_norm(x), s, k_cache, v_cache)
+        if s.lora is None:
+            x = x + self.attention(self.attention_norm(x), s, k_cache, v_cache)
+            return x + self.feed_forward(self.ffn_norm(x))
+        lora = s.lora.layer(self.layer)
+        x = x + self.attention(self.attention_norm(x), s, k_cache, v_cache, lora)
+        if isinstance(self.feed_forward, GatedMLP):
+            return x + self.feed_forward(self.ffn_norm(x), lora)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -166,6 +184,26 @@ class DecoderModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         # LongRoPE scales cos and sin (so q.k by its square); 1.0 otherwise
         self.rope_scale = cfg.longrope.attention_factor if cfg.longrope else 1.0
+        self.lora_targets: tuple[str, ...] = ()   # enable_lora
+
+    def enable_lora(self, targets: tuple[str, ...]) -> None:
+        """Make the step take adapters for `targets` (builder/arch/lora.py); ValueError naming
+        what the layers cannot take (a family with its own layer code, expert MLPs)."""
+        bad = [m for m in targets if m not in LORA_MODULES]
+        if bad:
+            raise ValueError(f"lora.target_modules: {bad[0]!r}; allowed: "
+                             f"{', '.join(LORA_MODULES)}")
+        family = self.cfg.family
+        if type(self).forward is not DecoderModel.forward or not all(
+                type(layer) is TransformerBlock for layer in self.layers):
+            raise ValueError(f"lora: the {family} family's layers do not take LoRA adapters "
+                             "in this version of kiln (the llama family's do)")
+        mlp = [m for m in targets if m not in ATTENTION_MODULES]
+        if mlp and not all(type(layer.feed_forward) is GatedMLP for layer in self.layers):
+            raise ValueError(f"lora.target_modules {mlp}: this {family} model's MLPs are "
+                             "experts (mixture of experts), which take no LoRA terms; target "
+                             f"attention modules only ({', '.join(ATTENTION_MODULES)})")
+        self.lora_targets = tuple(targets)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
@@ -174,15 +212,19 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens,
                 query_start_loc, logits_indices, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """-> logits [N, vocab] float32 for the N rows in logits_indices."""
+                v_caches: list[torch.Tensor], lora_slots=None, lora_scales=None,
+                lora_a=None, lora_b=None) -> torch.Tensor:
+        """-> logits [N, vocab] float32 for the N rows in logits_indices. A plan with lora
+        also takes the adapters (builder/arch/lora.py); without, the step is unchanged."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]     # [T, R/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]             # [T, 1, R]
         cos, sin = emb.cos(), emb.sin()
         if self.rope_scale != 1.0:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        lora = None if lora_slots is None else LoraStep.of(self.lora_targets, lora_slots,
+                                                           lora_scales, lora_a, lora_b)
         s = StepInputs(positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                       cos, sin)
+                       cos, sin, lora)
         x = self.tok_embeddings(input_ids)                              # [T, hidden]
         for layer, kc, vc in zip(self.layers, k_caches, v_caches):
             x = layer(x, s, kc, vc)

@@ -15,7 +15,7 @@ computed the same way whatever other tokens share the step (batch-invariant).
 
 The reference is registered for CompositeExplicitAutograd (any device); the compiled CPU
 kernel (csrc/lora_cpu.cpp, plugins.lora.kernels) is registered for CPU and takes precedence
-once loaded; on CUDA the model calls kiln::lora_apply_triton (plugins/lora/triton_lora.py).
+once loaded; on CUDA models call kiln::lora_apply_triton (plugins/lora/triton_lora.py).
 All compute in float32; the output has y's dtype.
 """
 from __future__ import annotations
@@ -78,13 +78,3 @@ def _lora_apply_fake(y, x, slots, lora_a, lora_b, scales):
     torch._check(lora_b.shape[1] == y.shape[1], lambda: "lora_apply: lora_b / y mismatch")
     return torch.empty_like(y)
 
-
-def lora_apply(y, x, slots, lora_a, lora_b, scales) -> torch.Tensor:
-    """The op for y's device: on CUDA the Triton kernels (kiln::lora_apply_triton, compiled
-    into the plan by AOTInductor), elsewhere kiln::lora_apply. Chosen when the model is
-    traced: devices are static."""
-    if y.device.type == "cuda":
-        from kiln.plugins.lora import triton_lora  # noqa: F401  (imports triton)
-
-        return torch.ops.kiln.lora_apply_triton(y, x, slots, lora_a, lora_b, scales)
-    return torch.ops.kiln.lora_apply(y, x, slots, lora_a, lora_b, scales)

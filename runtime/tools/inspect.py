@@ -55,6 +55,9 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
         ("scheduler", ", ".join(f"{k}={v}" for k, v in sorted(m.scheduler.to_json().items()))),
         *([("speculative", ", ".join(f"{k}={v}" for k, v in m.speculative.to_json().items()))]
           if m.speculative else []),
+        *([("lora", f"max_rank {lo.max_rank}, targets {', '.join(lo.target_modules)}, "
+                    f"{lo.max_adapters_per_batch} adapters per step, {lo.max_cpu_adapters} "
+                    "loaded at most")] if (lo := m.lora) else []),
         ("size", f"{human_bytes(m.total_bytes)} in {len(m.files)} files: " + ", ".join(
             f"{k} {human_bytes(v.size)}" for k, v in m.files.items())),
         ("fingerprint", m.fingerprint),

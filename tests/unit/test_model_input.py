@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln.builder.arch.llama import LlamaModel
-from kiln.builder.compile import INPUT_NAMES
+from kiln.builder.compile import INPUT_NAMES, input_names
 from kiln.runtime.executor import STEP_INPUTS, ModelInput
 
 pytestmark = pytest.mark.unit
@@ -42,7 +42,9 @@ def test_the_step_inputs_are_declared_once_and_every_user_reads_that_declaration
     assert tuple(s.name for s in STEP_INPUTS) == FIELDS
     # the export's input names and the model's forward() follow the same order
     assert INPUT_NAMES == FIELDS + ("k_caches", "v_caches")
-    assert tuple(inspect.signature(LlamaModel.forward).parameters)[1:] == INPUT_NAMES
+    # (then a LoRA plan's adapters, last and optional: a plan without lora is called as before)
+    assert tuple(inspect.signature(LlamaModel.forward).parameters)[1:] == input_names(True)
+    assert input_names(False) == INPUT_NAMES
     # both packings produce the declared dtypes and ranks, in args() order
     for m in (ModelInput.build([[1, 2, 3], [4]], [0, 5], [[7], [8, 9]], 4),
               ModelInput.build([[1], [4]], [2, 5], [[7], [8, 9]], 4)):

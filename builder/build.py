@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from kiln.builder.draft import check_draft, draft_current, speculative_section
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
@@ -26,8 +27,7 @@ from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
 from kiln.contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
                                      KVCacheSection, LimitsSection, ModelSection, PlanManifest,
                                      PrecisionSection, QuantizationRecord, SchedulerSection,
-                                     SpeculativeSection,
-                                     TargetSection, ToolchainSection)
+                                     DraftRecord, TargetSection, ToolchainSection)
 from kiln.contracts.manifest import LoraSection
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
@@ -80,11 +80,13 @@ def check_build_machine(spec: Spec) -> None:
                      "Set target.device: cpu.")
 
 
-def plan_fingerprint(spec: Spec, ckpt, target: TargetSection | None = None
-                     ) -> tuple[str, dict]:
+def plan_fingerprint(spec: Spec, ckpt, target: TargetSection | None = None,
+                     draft: DraftRecord | None = None) -> tuple[str, dict]:
     from kiln.builder.fingerprint import fingerprint, fingerprint_inputs
 
     inputs = fingerprint_inputs(spec, ckpt.weights_digest, target)
+    if draft is not None:     # a rebuilt draft plan rebuilds the plans it drafts for
+        inputs["draft"] = draft.fingerprint
     return fingerprint(inputs), inputs
 
 
@@ -129,7 +131,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     progress = progress or Progress()
     spec = load_spec(spec_path)
     out = Path(out) if out else default_output(spec)
-    if not force and (manifest := quick_up_to_date(spec, out)) is not None:
+    if not force and (manifest := quick_up_to_date(spec, out)) is not None \
+            and draft_current(spec, spec_path, manifest):
         return BuildResult(out, manifest.fingerprint, False, "up to date",
                            time.perf_counter() - t0, manifest)
     from kiln.builder.sources import open_checkpoint
@@ -139,7 +142,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_spec_against_model(spec, ckpt.config)
     ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
-    fp, fp_inputs = plan_fingerprint(spec, ckpt, target)
+    draft = check_draft(spec, spec_path, ckpt, target, out)
+    fp, fp_inputs = plan_fingerprint(spec, ckpt, target, draft)
     if not force and is_up_to_date(out, fp):
         from kiln.runtime.plan import read_manifest
 
@@ -152,7 +156,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        manifest = _build_into(tmp, spec, spec_path, ckpt, target, fp, fp_inputs, progress)
+        manifest = _build_into(tmp, spec, spec_path, ckpt, target, fp, fp_inputs, progress,
+                               draft)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -200,11 +205,13 @@ class _Built:
     engine: EngineSection
     check: Optional[CheckSection]
     accuracy: Optional[AccuracyRecord]
+    draft: Optional[DraftRecord] = None    # the draft plan (speculative method draft)
     lora: Optional[LoraSection] = None     # the step takes adapters (a spec with lora)
 
 
 def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
-                fp_inputs: dict, progress: Progress) -> PlanManifest:
+                fp_inputs: dict, progress: Progress,
+                draft: Optional[DraftRecord] = None) -> PlanManifest:
     """Build the plan's files into tmp, then its manifest (the one writer of plan.json).
 
     load fp32 -> reference (gated plans) -> quantize -> kernels, capture, compile -> check
@@ -230,7 +237,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
     manifest = _manifest(tmp, spec, spec_path, ckpt, target, fp, fp_inputs,
-                         _Built(quantization, engine, check, accuracy, lora))
+                         _Built(quantization, engine, check, accuracy, draft, lora))
     (tmp / MANIFEST_FILE).write_text(manifest.dumps())
     return manifest
 
@@ -340,8 +347,7 @@ def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp:
         check=built.check,
         accuracy=built.accuracy,
         files=files,
-        speculative=(None if spec.speculative is None else
-                     SpeculativeSection(**spec.speculative.model_dump(mode="json"))),
+        speculative=speculative_section(spec, built.draft),
         lora=built.lora,
     )
 

@@ -228,8 +228,12 @@ class SchedulerSpec(_Strict):
 
 
 class SpeculativeSpec(_Strict):
-    method: Literal["ngram"] = Field(description="ngram: prompt lookup, drafts copied from "
-                                     "earlier in the prompt and output")
+    method: Literal["ngram", "draft"] = Field(
+        description="ngram: prompt lookup, drafts copied from earlier in the prompt and output; "
+        "draft: a second, cheaper plan of the same tokenizer proposes them (draft_plan)")
+    draft_plan: Optional[str] = Field(default=None, description="method draft: the built plan "
+                                      "directory that drafts (relative to the spec file, or "
+                                      "absolute)")
     max_draft_tokens: int = Field(default=4, ge=1, le=32, description="drafts per sequence "
                                   "per step (k)")
     ngram_min: int = Field(default=1, ge=1, le=16, description="shortest suffix looked up")
@@ -239,6 +243,8 @@ class SpeculativeSpec(_Strict):
 
     @model_validator(mode="after")
     def _ngram_range(self):
+        if (self.method == "draft") != (self.draft_plan is not None):
+            raise ValueError("draft_plan is required with method draft, and only with it")
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be at most ngram_max "
                              f"({self.ngram_max})")
@@ -403,6 +409,8 @@ class Spec(_Strict):
         for key in ("golden_agreement", "speculative", "lora"):   # added later: unset keeps old
             if data[key] is None:                          # fingerprints
                 del data[key]
+        if data.get("speculative", {}).get("draft_plan", 0) is None:
+            del data["speculative"]["draft_plan"]
         return data
 
     def canonical_json(self) -> str:

@@ -289,22 +289,42 @@ class SchedulerSection(_Section):
 
 
 @dataclass(frozen=True)
+class DraftRecord(_Section):
+    """speculative.draft: the plan that drafts for this one (method draft), as checked at
+    build. The runtime loads it beside this plan and refuses one of another fingerprint."""
+    name: str               # the draft plan's name
+    fingerprint: str        # the draft plan's fingerprint when this plan was built
+    path: str               # its directory, relative to this plan's (or absolute)
+
+
+@dataclass(frozen=True)
 class SpeculativeSection(_Section):
-    """speculative: speculative decoding of greedy requests (runtime/speculative.py). The
-    step needs nothing new: a sequence's row carries its drafts, with logits at each."""
-    method: str             # ngram
+    """speculative: speculative decoding (runtime/speculative.py). The step needs nothing
+    new: a sequence's row carries its drafts, with logits at each."""
+    method: str             # ngram | draft
     max_draft_tokens: int   # drafts per sequence per step
-    ngram_min: int          # shortest suffix looked up
-    ngram_max: int          # longest suffix looked up
+    ngram_min: int          # shortest suffix looked up (ngram)
+    ngram_max: int          # longest suffix looked up (ngram)
     max_batch: int          # speculate only in steps with at most this many decodes
+    draft: Optional[DraftRecord] = None   # the draft plan (method draft only)
 
     def _validate(self, path: str) -> None:
-        if self.method != "ngram":
-            raise ManifestError(f"{path}.method", f"{self.method!r}; this kiln knows ngram")
+        if self.method not in ("ngram", "draft"):
+            raise ManifestError(f"{path}.method", f"{self.method!r}; this kiln knows ngram "
+                                "and draft")
+        if (self.method == "draft") != (self.draft is not None):
+            raise ManifestError(f"{path}.draft", "is required with method draft, and only "
+                                "with it")
         if not 1 <= self.ngram_min <= self.ngram_max or min(self.max_draft_tokens,
                                                               self.max_batch) < 1:
             raise ManifestError(path, "needs 1 <= ngram_min <= ngram_max, max_draft_tokens "
                                 ">= 1 and max_batch >= 1")
+
+    def to_json(self) -> dict:
+        data = super().to_json()
+        if data["draft"] is None:      # an n-gram plan is written as before
+            del data["draft"]
+        return data
 
 
 # The linear modules of a decoder layer an adapter may target, by PEFT's names.

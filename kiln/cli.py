@@ -189,6 +189,9 @@ def serve(
     speculative: str = typer.Option(
         "plan", "--speculative", metavar="plan|off", help="speculative decoding: as the plan "
         "was built (its speculative section, if any), or off"),
+    draft_plan: Optional[Path] = typer.Option(
+        None, "--draft-plan", metavar="DIR", help="the draft plan of a plan built with "
+        "speculative method draft, where it is not at the path the plan records"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
@@ -220,7 +223,8 @@ def _serve_config(a: dict):
                       auth_token=_auth_token(a["auth_token"], a["auth_token_file"]),
                       http_port=a["http_port"], metrics_host=a["metrics_host"],
                       metrics_auth=a["metrics_auth"], threads=a["threads"],
-                      expect_digest=a["expect_digest"], speculative=a["speculative"])
+                      expect_digest=a["expect_digest"], speculative=a["speculative"],
+                      draft_plan=a["draft_plan"])
     try:   # the caps: each flag is its field's name (guided: --guided-NAME)
         cfg = dataclasses.replace(cfg, limits=RequestLimits(**{
             f.name: a[f.name] for f in dataclasses.fields(RequestLimits) if f.name in a}))

@@ -28,6 +28,7 @@ from kiln.plugins.inflight_batching import (DraftPolicy, RequestRefused, Schedul
                                             SchedulerConfig,
                                        SchedulerOutput, SequenceStatus, StepOutput, TokenSequence)
 from kiln.runtime.compute import enter_engine_thread
+from kiln.runtime.draft_model import DraftModel
 from kiln.runtime.executor import Executor
 from kiln.runtime.guided import (CompileBusy, GrammarCache, Guide, GuidedDecoding,
                                  GuidedLimits, Masker)
@@ -134,11 +135,13 @@ class Engine:
                  start: bool = True, vocab_size: Optional[int] = None,
                  num_threads: Optional[int] = None,
                  guided_limits: Optional[GuidedLimits] = None,
-                 speculative: Optional[SpeculativeConfig] = None):
+                 speculative: Optional[SpeculativeConfig] = None,
+                 drafter: Optional[DraftModel] = None):
         """vocab_size: the model's (the logits' width; default the tokenizer's). num_threads:
         the engine thread's compute threads (runtime/compute.py; default: torch's).
         guided_limits: what output constraints may cost (runtime/guided.py). speculative:
-        n-gram speculative decoding (runtime/speculative.py; None: off)."""
+        n-gram speculative decoding (runtime/speculative.py; None: off). drafter: the draft
+        plan's proposer of method draft (runtime/draft_model.py)."""
         self.num_threads = num_threads
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
@@ -147,6 +150,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.speculative = speculative
+        self.drafter = DraftModel.attach(drafter, speculative, lambda: self.scheduler.running)
         self.scheduler = Scheduler(config, executor.layout.num_blocks, None if speculative is None
                                    else DraftPolicy(speculative.max_batch, self._propose))
         self.model_runner = ModelRunner(executor, Sampler())
@@ -182,20 +186,25 @@ class Engine:
                   start: bool = True, num_threads: Optional[int] = None,
                   guided_limits: Optional[GuidedLimits] = None,
                   speculative: Union[bool, str, SpeculativeConfig] = "plan",
+                  draft_plan: Union[str, Path, None] = None,
                   **overrides) -> "Engine":
         """Load a built plan. `overrides`: EngineConfig fields; limits only lowered.
         speculative: "plan" (True) = the plan's speculative section (if any), "off" (False)
-        = none, or a configuration of its own (`kiln serve --speculative`)."""
+        = none, or a configuration of its own (`kiln serve --speculative`). draft_plan: the
+        draft plan's directory (method draft; default: the one the plan records), loaded
+        beside it."""
         speculative = serving_choice(speculative)
         plan = plan if isinstance(plan, Plan) else load_plan(plan)
         config = EngineConfig.from_plan(plan, **overrides)
         if speculative is True:
             section = plan.manifest.speculative
-            speculative = None if section is None else SpeculativeConfig(**section.to_json())
+            speculative = None if section is None else SpeculativeConfig(
+                **{k: v for k, v in section.to_json().items() if k != "draft"})
+        drafter = DraftModel.for_engine(plan, speculative or None, draft_plan)
         return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
                    config, start=start, vocab_size=plan.shape.vocab_size,
                    num_threads=num_threads, guided_limits=guided_limits,
-                   speculative=speculative or None)
+                   speculative=speculative or None, drafter=drafter)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -220,6 +229,8 @@ class Engine:
         k = min(k, req.drafts.limit())
         if k < 1:
             return []
+        if self.drafter is not None:
+            return self.drafter.propose(seq, min(k, self.speculative.max_draft_tokens))
         if req.lookup is None:
             spec = self.speculative
             req.lookup = NgramIndex(spec.ngram_min, spec.ngram_max)
@@ -529,6 +540,8 @@ class Engine:
         req.stream._put(out)
 
     def _retire(self, req: _Request) -> None:
+        if self.drafter is not None:     # its draft blocks, at once
+            self.drafter.release(req.seq.request_id)
         if self._requests.pop(req.seq.request_id, None) is not None:
             self.num_finished += 1
 

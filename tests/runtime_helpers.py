@@ -52,7 +52,7 @@ def tiny_model(seed: int = 0, vocab: int = VOCAB) -> LlamaModel:
 
 
 def tiny_engine(num_blocks: int = 256, tokens_per_block: int = 4, model: LlamaModel | None = None,
-                start: bool = True, speculative=None, **config) -> Engine:
+                start: bool = True, speculative=None, drafter=None, **config) -> Engine:
     model = model or tiny_model()
     cfg = model.cfg
     layout = KVLayout(cfg.num_layers, num_blocks, tokens_per_block, cfg.num_kv_heads,
@@ -62,4 +62,4 @@ def tiny_engine(num_blocks: int = 256, tokens_per_block: int = 4, model: LlamaMo
                     tokens_per_block=tokens_per_block)
     defaults.update(config)
     return Engine(executor, byte_tokenizer(), EngineConfig(**defaults), start=start,
-                  vocab_size=cfg.vocab_size, speculative=speculative)
+                  vocab_size=cfg.vocab_size, speculative=speculative, drafter=drafter)

@@ -78,6 +78,7 @@ class ServeConfig:
     threads: Optional[int] = None            # the engine thread's compute threads
     expect_digest: Optional[str] = None      # refuse a plan whose plan.json sha256 differs
     speculative: str = "plan"                # the plan's speculative section, or "off"
+    draft_plan: Optional[Path] = None        # its draft plan elsewhere than it records
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -101,6 +102,11 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
     if cfg.speculative not in SERVING:
         raise ServeError(f"--speculative {cfg.speculative}: the choices are "
                          f"{', '.join(SERVING)} (the plan's speculative section, or none)")
+    spec = manifest.speculative
+    how = "off" if cfg.speculative == "off" or spec is None else spec.method
+    if cfg.draft_plan is not None and how != "draft":
+        raise ServeError(f"--draft-plan {cfg.draft_plan}: a draft plan serves a plan built "
+                         f"with speculative method draft; this plan's speculation is {how}")
     if cfg.auth_token is not None and not cfg.auth_token.strip():
         raise ServeError("--auth-token is empty (an unset variable?): give the token, or "
                          "leave the flag out to serve without auth")
@@ -394,7 +400,8 @@ async def drain_and_stop(cfg: ServeConfig, fe: Frontend, ports: Listeners,
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
     plan = load_plan(cfg.plan, cfg.expect_digest)   # the bytes it runs, checked again
     return Engine.from_plan(plan, num_threads=cfg.threads, guided_limits=cfg.guided,
-                            speculative=cfg.speculative, **cfg.overrides()), plan
+                            speculative=cfg.speculative, draft_plan=cfg.draft_plan,
+                            **cfg.overrides()), plan
 
 
 async def drain(fe: Frontend, server, health_svc, seconds: float,

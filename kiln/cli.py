@@ -14,6 +14,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Kiln: build LLM inference plans ahead of time, then serve them.")
 
 
+DRAFT_PLAN_HELP = ("the draft plan of a plan built with speculative method draft, where it "
+                   "is not at the path the plan records")
+
+
 def _fail(message: str, code: int = 1):
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -189,9 +193,7 @@ def serve(
     speculative: str = typer.Option(
         "plan", "--speculative", metavar="plan|off", help="speculative decoding: as the plan "
         "was built (its speculative section, if any), or off"),
-    draft_plan: Optional[Path] = typer.Option(
-        None, "--draft-plan", metavar="DIR", help="the draft plan of a plan built with "
-        "speculative method draft, where it is not at the path the plan records"),
+    draft_plan: Optional[Path] = typer.Option(None, metavar="DIR", help=DRAFT_PLAN_HELP),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""

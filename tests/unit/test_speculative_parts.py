@@ -33,7 +33,9 @@ def test_spec_section_defaults_and_recorded_only_when_set():
 
 
 @pytest.mark.parametrize("text, words", [
-    ("speculative: {method: draft}\n", "ngram"),
+    ("speculative: {method: draft}\n", "draft_plan is required with method draft"),
+    ("speculative: {method: ngram, draft_plan: x}\n", "draft_plan is required with method draft"),
+    ("speculative: {method: eagle}\n", "'ngram' or 'draft'"),
     ("speculative: {method: ngram, ngram_min: 3, ngram_max: 2}\n",
      "ngram_min (3) must be at most ngram_max (2)"),
     ("speculative: {method: ngram, max_draft_tokens: 0}\n", "greater than or equal to 1"),

@@ -301,7 +301,8 @@ spec:
       modelFormat:
         name: kiln-plan
       runtime: {{ include "kiln.fullname" . }}
-      storageUri: {{ .Values.plan.image | default "oci://registry.example/kiln-plans/PLAN@sha256:DIGEST" | printf "%s" | quote }}
+      {{- $image := .Values.plan.image | default "registry.example/kiln-plans/PLAN@sha256:DIGEST" }}
+      storageUri: {{ $image | trimPrefix "oci://" | printf "oci://%s" | quote }}
 {{- end }}
 """
 

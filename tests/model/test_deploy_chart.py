@@ -52,7 +52,7 @@ def test_chart_lints_and_every_object_validates(chart):
         for kind, obj in render(chart, values).items():
             seen.add(kind)
             if obj["apiVersion"].split("/")[0] in ("keda.sh", "serving.kserve.io"):
-                continue    # custom resources: checked field by field below
+                continue    # custom resources: their projects' models, below
             kv.validate(obj, KUBE, strict=True)
     assert seen == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
                     "ScaledObject", "ServingRuntime", "InferenceService"}
@@ -94,6 +94,32 @@ def test_kserve_runtime_and_oci_plan_volume(chart):
     assert pod["volumes"][0]["image"]["reference"] == ALL_ON["plan"]["image"]
     assert "--expect-digest=" + "a" * 64 in pod["containers"][0]["args"]
     assert pod["containers"][0]["args"][1] == "/oci/models/tiny-random"
+
+
+def test_kserve_and_keda_objects_validate_against_their_models(chart):
+    """ServingRuntime and InferenceService against the `kserve` package's models, the KEDA
+    ScaledObject against the models generated from KEDA's CRD schema (tests/crd_models.py:
+    unknown fields, wrong types and missing required fields are errors)."""
+    pytest.importorskip("kserve", reason="pip install kserve (not in setup.sh: it installs "
+                                         "slowly, with pandas and the kubernetes client)")
+    pytest.importorskip("cloudcoil.models.keda")
+    from tests.crd_models import ModelError, validate_keda, validate_kserve
+
+    objs = render(chart, ALL_ON)
+    validate_kserve(objs["ServingRuntime"])
+    validate_kserve(objs["InferenceService"])
+    validate_keda(objs["ScaledObject"])
+    typo = yaml.safe_load(yaml.safe_dump(objs["ScaledObject"]))
+    typo["spec"]["triggers"][0]["metdata"] = {"query": "up"}     # a field the CRD lacks
+    with pytest.raises(ModelError, match=r"triggers\[0\]\.metdata"):
+        validate_keda(typo)
+    typo = yaml.safe_load(yaml.safe_dump(objs["ServingRuntime"]))
+    del typo["spec"]["containers"][0]["name"]
+    with pytest.raises(ModelError, match=r"containers\[0\]"):
+        validate_kserve(typo)
+    # KServe's modelcar reads the plan image from an oci:// storage URI
+    isvc = objs["InferenceService"]["spec"]["predictor"]["model"]
+    assert isvc["storageUri"] == "oci://" + ALL_ON["plan"]["image"]
 
 
 def test_hpa_and_keda_together_fail_to_render(chart):

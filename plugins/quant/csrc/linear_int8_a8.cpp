@@ -10,6 +10,10 @@
 // machine it runs on): measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
 // M=1 this kernel 17 us vs 83 us; M=4 48 vs 41; M=32 244 vs 86
 // (bench/results/w8a8_vs_libraries.log). All give the same integers.
+// Only where oneDNN has int8 micro-kernels (VNNI, AMX): on an AVX2-only host ATen's _int_mm
+// falls back to a scalar loop, 0.06-0.17 GMAC/s on a Zen 2 core against the AVX2 dot
+// products' tens, so the AVX2 and scalar levels keep every M on int8_dot.h's tiles (the
+// tied lm_head of a W8A8 plan at 32 rows: seconds a step on _int_mm).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,7 +38,11 @@ namespace {
 
 using namespace kiln_int8;
 
+#if KILN_INT8_DOT_VNNI || KILN_INT8_GEMM_AMX
 constexpr int64_t kIntMmMinM = 4;
+#else
+constexpr int64_t kIntMmMinM = INT64_MAX;   // no fast int8 GEMM in oneDNN at this level
+#endif
 
 at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
                           const at::Tensor& scales, const c10::optional<at::Tensor>& bias_in) {

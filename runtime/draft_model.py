@@ -193,6 +193,7 @@ class DraftModel:
     @classmethod
     def from_plan(cls, draft: Plan, max_draft_tokens: int, max_batch: int,
                   kv_budget_bytes: Optional[int] = None) -> "DraftModel":
+        """A drafter running `draft` (a loaded plan; see for_target for the checks)."""
         lim = draft.limits
         model = cls(Executor.from_plan(draft, kv_budget_bytes), max_draft_tokens,
                     min(max_batch, lim.max_batch_size), lim.max_num_tokens, lim.max_seq_len)

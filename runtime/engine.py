@@ -30,6 +30,7 @@ from kiln.plugins.inflight_batching import (DraftPolicy, RequestRefused, Schedul
 from kiln.runtime.compute import enter_engine_thread
 from kiln.runtime.draft_model import DraftModel
 from kiln.runtime.executor import Executor
+from kiln.runtime.lora import AdapterRegistry
 from kiln.runtime.guided import (CompileBusy, GrammarCache, Guide, GuidedDecoding,
                                  GuidedLimits, Masker)
 from kiln.runtime.model_runner import ModelRunner
@@ -136,12 +137,14 @@ class Engine:
                  num_threads: Optional[int] = None,
                  guided_limits: Optional[GuidedLimits] = None,
                  speculative: Optional[SpeculativeConfig] = None,
-                 drafter: Optional[DraftModel] = None):
+                 drafter: Optional[DraftModel] = None,
+                 adapters: Optional[AdapterRegistry] = None):
         """vocab_size: the model's (the logits' width; default the tokenizer's). num_threads:
         the engine thread's compute threads (runtime/compute.py; default: torch's).
         guided_limits: what output constraints may cost (runtime/guided.py). speculative:
         n-gram speculative decoding (runtime/speculative.py; None: off). drafter: the draft
-        plan's proposer of method draft (runtime/draft_model.py)."""
+        plan's proposer of method draft (runtime/draft_model.py). adapters: a LoRA plan's
+        loaded adapters (runtime/lora.py; requests name one in SamplingParams.adapter)."""
         self.num_threads = num_threads
         if config.tokens_per_block != executor.layout.tokens_per_block:
             raise ValueError(f"tokens_per_block={config.tokens_per_block} but the KV pools have "
@@ -154,6 +157,8 @@ class Engine:
         self.scheduler = Scheduler(config, executor.layout.num_blocks, None if speculative is None
                                    else DraftPolicy(speculative.max_batch, self._propose))
         self.model_runner = ModelRunner(executor, Sampler())
+        self.adapters = self.model_runner.adapters = adapters
+        self.scheduler.max_adapters = adapters.section.max_adapters_per_batch if adapters else 0
         self._requests: dict[str, _Request] = {}
         self._inbox: list[InboxMessage] = []   # from callers, applied between steps
         self._pending_adds = 0                 # AddRequests in the inbox
@@ -201,10 +206,12 @@ class Engine:
             speculative = None if section is None else SpeculativeConfig(
                 **{k: v for k, v in section.to_json().items() if k != "draft"})
         drafter = DraftModel.for_engine(plan, speculative or None, draft_plan)
-        return cls(Executor.from_plan(plan, kv_budget_bytes), Tokenizer.from_plan(plan),
+        executor = Executor.from_plan(plan, kv_budget_bytes)
+        return cls(executor, Tokenizer.from_plan(plan),
                    config, start=start, vocab_size=plan.shape.vocab_size,
                    num_threads=num_threads, guided_limits=guided_limits,
-                   speculative=speculative or None, drafter=drafter)
+                   speculative=speculative or None, drafter=drafter,
+                   adapters=AdapterRegistry.for_plan(plan, executor))
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -388,7 +395,10 @@ class Engine:
             if rid in self._requests or any(r.seq.request_id == rid
                                               for r in _added(self._inbox)):
                 raise ValueError(f"request id {rid!r} is already in flight")
-            seq = TokenSequence(rid, ids, params.max_tokens, params.min_tokens, stop_ids, state)
+            if params.adapter is not None:      # UnknownAdapterError: never the base instead
+                AdapterRegistry.acquire_for(self.adapters, params.adapter)
+            seq = TokenSequence(rid, ids, params.max_tokens, params.min_tokens, stop_ids, state,
+                                adapter=params.adapter)
             stream = RequestStream(self._abort, rid, ids)
             detok = tok.detokenizer(ids, params.stop, params.include_stop_str_in_output,
                                     params.skip_special_tokens)
@@ -544,6 +554,8 @@ class Engine:
             self.drafter.release(req.seq.request_id)
         if self._requests.pop(req.seq.request_id, None) is not None:
             self.num_finished += 1
+            if self.adapters is not None:
+                self.adapters.release(req.seq.adapter)
 
     def _output(self, req: _Request, toks: list[int], text: str, reason: Optional[str],
                 error: Optional[str] = None) -> RequestOutput:

@@ -18,6 +18,7 @@ import torch
 from kiln.plugins.inflight_batching import SchedulerOutput, TokenSequence, StepOutput
 from kiln.runtime.executor import Executor, ModelInput
 from kiln.runtime.guided import Masker
+from kiln.runtime.lora import AdapterRegistry
 from kiln.runtime.sampling import Sampler, TokenLogprobs
 from kiln.runtime.speculative import num_kept
 
@@ -44,6 +45,7 @@ class ModelRunner:
         self.before_launch: Optional[Callable[[], None]] = None
         self.tokens_per_block = executor.layout.tokens_per_block
         self.num_drafted = 0      # speculative decoding: draft tokens verified
+        self.adapters: Optional[AdapterRegistry] = None   # a plan with lora: its adapters
         self.num_accepted = 0     # of those, kept
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
@@ -72,7 +74,9 @@ class ModelRunner:
         batch = self.prepare(out)
         if self.before_launch is not None:
             self.before_launch()
-        logits = self.executor.execute(batch)                        # [B, vocab]
+        slots = None if self.adapters is None else self.adapters.token_slots(
+            [s.adapter for s in out.seqs], out.num_scheduled_tokens)
+        logits = self.executor.execute(batch, slots)                 # [B, vocab]
         drafted = logits
         if out.drafts:   # one row per sequence: its first position (the last real token)
             firsts = self._first_rows(out)

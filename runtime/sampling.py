@@ -62,6 +62,7 @@ class SamplingParams:
     guided: Optional[GuidedDecoding] = None  # constrain the output (JSON schema, regex, ...)
     max_draft_tokens: Optional[int] = None   # speculative drafts a step at most (0: none);
     #                                          None: the plan's speculative.max_draft_tokens
+    adapter: Optional[str] = None        # the loaded LoRA adapter to run with (None: base)
 
     def __post_init__(self):
         for name in ("stop", "bad_words"):
@@ -105,6 +106,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            bad("adapter", "must be None or a loaded adapter's name")
         if self.max_draft_tokens is not None and (not _is_int(self.max_draft_tokens)
                                                   or self.max_draft_tokens < 0):
             bad("max_draft_tokens", "must be None or an integer >= 0 (0 = no speculation)")

@@ -93,8 +93,9 @@ class TokenSequence:
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int,
                  min_tokens: int = 0, stop_token_ids: Iterable[int] = (), sampling: Any = None,
-                 arrival_time: Optional[float] = None):
+                 arrival_time: Optional[float] = None, adapter: Optional[str] = None):
         self.request_id = request_id
+        self.adapter = adapter           # the LoRA adapter it runs with (None: the base model)
         self.token_ids: list[int] = list(prompt_token_ids)   # prompt + generated
         self.num_prompt_tokens = len(self.token_ids)
         self.num_computed_tokens = 0     # tokens whose K/V is in the pool
@@ -177,9 +178,12 @@ class Scheduler:
     """Waiting and running queues over a BlockPool; see the module docstring."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int,
-                 drafts: Optional[DraftPolicy] = None):
+                 drafts: Optional[DraftPolicy] = None, max_adapters: int = 0):
         self.config = config
         self.drafts = drafts
+        # different LoRA adapters among the running sequences at most (0: no adapters), so a
+        # step never has more than the plan's adapter slots
+        self.max_adapters = max_adapters
         self.pool = BlockPool(num_blocks, config.tokens_per_block, config.prefix_caching)
         self.waiting: deque[TokenSequence] = deque()
         self.running: list[TokenSequence] = []      # admission order: running[-1] is the newest
@@ -275,12 +279,22 @@ class Scheduler:
                 n = min(todo, budget)
                 self._put(out, seq, n)
                 budget -= n
-        # 3. admissions, FIFO (a preempted sequence is at the front)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_batch_size:
-            seq = self.waiting[0]
+        # 3. admissions, FIFO (a preempted sequence is at the front); one whose adapter
+        # would exceed max_adapters running adapters waits, and those behind it may pass
+        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        skipped = 0
+        while len(self.waiting) > skipped and budget > 0 \
+                and len(self.running) < self.config.max_batch_size:
+            seq = self.waiting[skipped]
+            if seq.adapter is not None and seq.adapter not in adapters \
+                    and len(adapters) >= self.max_adapters:
+                skipped += 1
+                continue
             if not self._admit(seq, budget):
                 break
-            self.waiting.popleft()
+            del self.waiting[skipped]
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self._put(out, seq, n)
             budget -= n
@@ -303,7 +317,8 @@ class Scheduler:
             if tok is None and sample:   # deferred by the sampler: its last token runs again
                 n -= 1
             seq.num_computed_tokens += n
-            self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+            self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens,
+                                   seq.adapter)
             if tok is None:
                 continue
             seq.token_ids.append(tok)
@@ -363,7 +378,8 @@ class Scheduler:
         if tok is not None:
             seq.token_ids.extend(drafts[:accepted])
             seq.token_ids.append(tok)
-        self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self.pool.cache_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens,
+                               seq.adapter)
         self.pool.truncate(seq.block_table, max(seq.num_tokens, seq.num_computed_tokens))
         for j in range(start, seq.num_tokens):
             t = seq.token_ids[j]
@@ -428,7 +444,7 @@ class Scheduler:
         """Allocate blocks for a waiting sequence if the policy and the budget allow."""
         pool = self.pool
         if pool.prefix_caching:
-            seq.block_hashes = pool.hash_blocks(seq.token_ids, seq.block_hashes)
+            seq.block_hashes = pool.hash_blocks(seq.token_ids, seq.block_hashes, seq.adapter)
         if self._guaranteed:
             final = min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_seq_len)
             reserve = pool.blocks_for(final) - pool.blocks_for(seq.num_tokens)

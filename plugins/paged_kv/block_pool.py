@@ -23,9 +23,15 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 ROOT_HASH = 0x6B696C6E  # parent hash of a sequence's first block
+
+
+def root_hash(salt: Optional[str]) -> int:
+    """The parent hash of a first block: ROOT_HASH, or one of its own per salt (a LoRA
+    adapter: two adapters never share K/V of equal tokens)."""
+    return ROOT_HASH if salt is None else hash((ROOT_HASH, salt))
 
 
 @dataclass
@@ -85,12 +91,14 @@ class BlockPool:
                          self.prefix_queried_tokens, self.prefix_hit_tokens)
 
     # ---- hashing ----------------------------------------------------------------------------
-    def hash_blocks(self, token_ids: Sequence[int], parent_hashes: Sequence[int] = ()) -> list[int]:
+    def hash_blocks(self, token_ids: Sequence[int], parent_hashes: Sequence[int] = (),
+                    salt: Optional[str] = None) -> list[int]:
         """Chained hashes of the full blocks of `token_ids`; extends `parent_hashes` (the hashes
-        of its first blocks, already computed) instead of rehashing them."""
+        of its first blocks, already computed) instead of rehashing them. `salt` (a LoRA
+        adapter's name) starts another chain: equal tokens under two salts never share K/V."""
         bs = self.tokens_per_block
         out = list(parent_hashes)
-        h = out[-1] if out else ROOT_HASH
+        h = out[-1] if out else root_hash(salt)
         for i in range(len(out), len(token_ids) // bs):
             h = hash((h, tuple(token_ids[i * bs:(i + 1) * bs])))
             out.append(h)
@@ -161,8 +169,9 @@ class BlockPool:
             del block_table[keep:]
 
     def cache_blocks(self, block_table: Sequence[int], token_ids: Sequence[int],
-                     num_computed_tokens: int) -> None:
-        """Register the blocks that are now full and computed in the prefix cache."""
+                     num_computed_tokens: int, salt: Optional[str] = None) -> None:
+        """Register the blocks that are now full and computed in the prefix cache (`salt`:
+        as hash_blocks')."""
         if not self.prefix_caching:
             return
         bs = self.tokens_per_block
@@ -170,7 +179,7 @@ class BlockPool:
         first = full  # walk back to the first full block not yet hashed
         while first > 0 and self.blocks[block_table[first - 1]].hash is None:
             first -= 1
-        parent = self.blocks[block_table[first - 1]].hash if first else ROOT_HASH
+        parent = self.blocks[block_table[first - 1]].hash if first else root_hash(salt)
         for i in range(first, full):
             block = self.blocks[block_table[i]]
             block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])

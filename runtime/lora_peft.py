@@ -1,0 +1,124 @@
+"""Read a LoRA adapter in PEFT's format (`adapter_config.json` + `adapter_model.safetensors`)
+into the plan's layout (runtime/lora_buffers.AdapterWeights), refusing what the plan cannot
+serve with what is wrong.
+
+    base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_A.weight   [r, in]
+    base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_B.weight    [out, r]
+
+scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from kiln.contracts.manifest import LoraSection
+from kiln.runtime.lora_buffers import AdapterWeights
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+                  r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter the plan cannot serve; the message says what is wrong."""
+
+
+def read_config(path: Path) -> dict:
+    f = path / CONFIG_FILE
+    try:
+        cfg = json.loads(f.read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{path}: no {CONFIG_FILE} (a PEFT LoRA adapter directory has "
+                           f"{CONFIG_FILE} and {WEIGHTS_FILE})") from None
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{f}: not readable JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{f}: expected a JSON object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{f}: peft_type {cfg.get('peft_type')!r}; only LORA adapters")
+    unsupported = [(k, cfg.get(k)) for k in ("use_dora", "fan_in_fan_out", "lora_bias")
+                   if cfg.get(k)]
+    unsupported += [(k, cfg[k]) for k in ("rank_pattern", "alpha_pattern", "modules_to_save")
+                    if cfg.get(k)]
+    if cfg.get("bias", "none") != "none":
+        unsupported.append(("bias", cfg["bias"]))
+    if unsupported:
+        k, v = unsupported[0]
+        raise AdapterError(f"{f}: {k} = {v!r} is not supported (plain LoRA on the layers' "
+                           "linears only)")
+    for k in ("r", "lora_alpha"):
+        if not isinstance(cfg.get(k), (int, float)) or isinstance(cfg.get(k), bool) \
+                or cfg[k] <= 0:
+            raise AdapterError(f"{f}: {k} = {cfg.get(k)!r}; a positive number is needed")
+    return cfg
+
+
+def check_base(cfg: dict, base_model: Optional[str], path: Path) -> None:
+    """AdapterError when the adapter records another base model than the plan's (compared by
+    the last component of each name or path; nothing to compare when either is unknown)."""
+    recorded = cfg.get("base_model_name_or_path")
+    if not recorded or not base_model:
+        return
+    tail = lambda s: str(s).rstrip("/").split("/")[-1].lower()  # noqa: E731
+    if tail(recorded) != tail(base_model):
+        raise AdapterError(f"{path}: the adapter was trained on {recorded!r}; this plan's base "
+                           f"model is {base_model!r}")
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    f = path / WEIGHTS_FILE
+    if not f.is_file():
+        raise AdapterError(f"{path}: no {WEIGHTS_FILE}")
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(f"{f}: not a readable safetensors file (corrupt or truncated?): "
+                           f"{e}") from None
+
+
+def load_peft(path, name: str, section: LoraSection, num_layers: int,
+              base_model: Optional[str] = None) -> AdapterWeights:
+    """The adapter at `path` in the plan's layout; AdapterError naming what does not fit."""
+    path = Path(path)
+    cfg = read_config(path)
+    check_base(cfg, base_model, path)
+    r = int(cfg["r"])
+    if r > section.max_rank:
+        raise AdapterError(f"{path}: rank {r} exceeds the plan's lora.max_rank "
+                           f"({section.max_rank})")
+    scale = cfg["lora_alpha"] / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    a, b = {}, {}
+    for key, t in _read_tensors(path).items():
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(f"{path}: tensor {key!r} is not a LoRA A/B weight of a decoder "
+                               "layer's linear")
+        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if module not in section.target_modules:
+            raise AdapterError(f"{path}: the adapter changes {module}; this plan was built for "
+                               f"{', '.join(section.target_modules)} (lora.target_modules)")
+        if layer >= num_layers:
+            raise AdapterError(f"{path}: {key} is for layer {layer}; the model has "
+                               f"{num_layers} layers")
+        want = ((r, section.in_features[module]) if which == "A"
+                else (section.out_features[module], r))
+        if tuple(t.shape) != want:
+            raise AdapterError(f"{path}: {key} has shape {list(t.shape)}; the base model's "
+                               f"{module} with rank {r} needs {list(want)}")
+        dst = a if which == "A" else b
+        if module not in dst:
+            dst[module] = torch.zeros(num_layers, *want)
+        dst[module][layer] = t.float()
+    if set(a) != set(b) or not a:
+        raise AdapterError(f"{path}: every module needs both lora_A and lora_B "
+                           f"(A: {sorted(a)}, B: {sorted(b)})")
+    return AdapterWeights(name, r, float(scale), a, b)

@@ -74,9 +74,11 @@ class ModelRunner:
         batch = self.prepare(out)
         if self.before_launch is not None:
             self.before_launch()
-        slots = None if self.adapters is None else self.adapters.token_slots(
-            [s.adapter for s in out.seqs], out.num_scheduled_tokens)
-        logits = self.executor.execute(batch, slots)                 # [B, vocab]
+        if self.adapters is None:
+            logits = self.executor.execute(batch)                    # [B, vocab]
+        else:       # each token's adapter slot
+            logits = self.executor.execute(batch, self.adapters.token_slots(
+                [s.adapter for s in out.seqs], out.num_scheduled_tokens))
         drafted = logits
         if out.drafts:   # one row per sequence: its first position (the last real token)
             firsts = self._first_rows(out)

@@ -28,14 +28,23 @@ def build(spec: Path = typer.Argument(..., help="the spec YAML"),
           out: Optional[Path] = typer.Option(None, "--out", "-o",
                                              help="plan directory (default plans/NAME)"),
           force: bool = typer.Option(False, "--force", help="rebuild even if up to date"),
-          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output")):
+          quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress output"),
+          max_memory: Optional[str] = typer.Option(
+              None, "--max-memory", help="memory the build may use (e.g. 20G), instead of "
+              "what the machine has available; a build expected to need more is refused")):
     """Build a plan from a spec (skipped when the plan is up to date)."""
     from kiln.builder.build import BuildError, build as do_build
+    from kiln.builder.memory import parse_bytes
     from kiln.builder.progress import Progress
     from kiln.builder.spec import SpecError
 
     try:
-        res = do_build(spec, out, force=force, progress=Progress(enabled=not quiet))
+        limit = None if max_memory is None else parse_bytes(max_memory, "--max-memory")
+    except ValueError as e:
+        _fail(str(e), 2)
+    try:
+        res = do_build(spec, out, force=force, progress=Progress(enabled=not quiet),
+                       max_memory=limit)
     except SpecError as e:
         _fail(str(e), 2)
     except Exception as e:
@@ -291,16 +300,23 @@ def bench(
 @app.command()
 def package(plan: Path = typer.Argument(..., help="a plan directory"),
             oci: Path = typer.Option(..., "--oci", help="write an OCI image layout here (a new "
-                                     "or empty directory)")):
+                                     "or empty directory)"),
+            modelcar: bool = typer.Option(False, "--modelcar", help="add a static busybox "
+                                          "layer (sh) so KServe can run it as a modelcar"),
+            busybox_deb: Optional[Path] = typer.Option(
+                None, "--busybox-deb", help="Debian's busybox-static .deb for --modelcar "
+                "(default: the newest in ~/.cache/kiln/debs, then /var/cache/apt/archives)")):
     """Package a plan as a deterministic OCI image (the plan under /models/NAME): usable as a
-    Kubernetes image volume or a KServe modelcar. Prints the manifest digest."""
+    Kubernetes image volume, or with --modelcar as a KServe modelcar (storageUri oci://...).
+    Prints the manifest digest."""
     from kiln.runtime.tools.package import PackageError, package_plan
 
     try:
-        done = package_plan(plan, oci)
+        done = package_plan(plan, oci, modelcar=modelcar, busybox_deb=busybox_deb)
     except PackageError as e:
         _fail(str(e))
-    typer.echo(f"packaged {done.name} into {oci}: manifest {done.manifest.digest}, "
+    shell = f"shell layer {done.shell.digest}, " if done.shell else ""
+    typer.echo(f"packaged {done.name} into {oci}: manifest {done.manifest.digest}, {shell}"
                f"layer {done.layer.digest} ({done.layer.size} bytes), plan digest "
                f"{done.plan_digest}")
     store = _containing_store(plan)

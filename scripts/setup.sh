@@ -25,4 +25,11 @@ if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null;
    { apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null; }) ||
     echo "warning: could not install ${need[*]}; their checks will skip" >&2
 fi
+# Debian's busybox-static package file: `kiln package --modelcar` takes its static shell.
+debs="${XDG_CACHE_HOME:-$HOME/.cache}/kiln/debs"
+if command -v apt-get >/dev/null && ! ls "$debs"/busybox-static_*.deb >/dev/null 2>&1; then
+  mkdir -p "$debs"
+  (cd "$debs" && apt-get download -q busybox-static >/dev/null 2>&1) ||
+    echo "warning: could not download busybox-static; the modelcar checks will skip" >&2
+fi
 python -c "import torch, kiln.builder, kiln.runtime, kiln.plugins; print('kiln env ready: torch', torch.__version__)"

@@ -287,8 +287,9 @@ spec:
       resources:
         {{- include "kiln.resources" . | nindent 8 }}
 ---
-# The modelcar form: storageUri oci://<registry>/<repo>@sha256:<kiln package's digest>;
-# the image's /models/<name> appears at /mnt/models/<name>.
+# The modelcar form: storageUri oci://<registry>/<repo>@sha256:<digest of kiln package
+# --modelcar, whose busybox layer runs KServe's sidecar shell>; the image's /models/<name>
+# appears at /mnt/models/<name>.
 apiVersion: serving.kserve.io/v1beta1
 kind: InferenceService
 metadata:

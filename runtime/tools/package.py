@@ -33,6 +33,7 @@ from typing import Optional
 
 from kiln.contracts import MANIFEST_FILE
 from kiln.contracts.manifest import ManifestError, PlanManifest, manifest_digest
+from kiln.runtime.tools import modelcar as mc
 
 LAYOUT_VERSION = "1.0.0"
 INDEX_MEDIA = "application/vnd.oci.image.index.v1+json"
@@ -72,6 +73,7 @@ class Packaged:
     layer: Descriptor
     plan_digest: str         # sha256 of plan.json (kiln serve --expect-digest)
     fingerprint: str
+    shell: Optional[Descriptor] = None   # the modelcar's busybox layer, below the plan's
 
 
 def _canonical(obj) -> bytes:
@@ -91,7 +93,8 @@ def _read_plan_manifest(plan: Path) -> tuple[PlanManifest, bytes]:
                            "rebuild the plan") from None
 
 
-def _entry(name: str, mode: int, size: int = 0, is_dir: bool = False) -> tarfile.TarInfo:
+def tar_entry(name: str, mode: int, size: int = 0, is_dir: bool = False) -> tarfile.TarInfo:
+    """A tar header with nothing of the host in it: mtime 0, uid/gid 0, no user names."""
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
     info.mode, info.size, info.mtime = mode, size, 0
@@ -100,7 +103,7 @@ def _entry(name: str, mode: int, size: int = 0, is_dir: bool = False) -> tarfile
     return info
 
 
-class _HashingWriter(io.RawIOBase):
+class HashingWriter(io.RawIOBase):
     """A write-only file that hashes and counts what goes through it into `out`."""
 
     def __init__(self, out):
@@ -147,13 +150,13 @@ def _write_layer(plan: Path, manifest: PlanManifest, raw: bytes, out) -> Descrip
             raise PackageError(f"plan {plan}: file {rel!r} is outside the plan directory")
         dirs.update((root / p).parents)
     dirs.discard(PurePosixPath("."))
-    writer = _HashingWriter(out)
+    writer = HashingWriter(out)
     with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for d in sorted(dirs):
-            tar.addfile(_entry(f"{d}/", 0o755, is_dir=True))
+            tar.addfile(tar_entry(f"{d}/", 0o755, is_dir=True))
         for rel in files:
             if rel == MANIFEST_FILE:
-                tar.addfile(_entry(str(root / rel), 0o644, len(raw)), io.BytesIO(raw))
+                tar.addfile(tar_entry(str(root / rel), 0o644, len(raw)), io.BytesIO(raw))
                 continue
             entry = manifest.files[rel]
             path = plan / rel
@@ -162,7 +165,7 @@ def _write_layer(plan: Path, manifest: PlanManifest, raw: bytes, out) -> Descrip
                                    "rebuild the plan before packaging")
             with open(path, "rb") as f:
                 reader = _CheckedReader(f, rel, entry.sha256)
-                tar.addfile(_entry(str(root / rel), 0o644, entry.size),
+                tar.addfile(tar_entry(str(root / rel), 0o644, entry.size),
                             io.BufferedReader(reader, 1 << 22))
                 reader.check(plan)
     return Descriptor(LAYER_MEDIA, "sha256:" + writer.sha.hexdigest(), writer.size)
@@ -174,32 +177,43 @@ def _put_blob(blobs: Path, data: bytes, media_type: str) -> Descriptor:
     return Descriptor(media_type, "sha256:" + hexd, len(data))
 
 
-def package_plan(plan: str | Path, out: str | Path) -> Packaged:
-    """Write plan directory `plan` as an OCI image layout at `out` (a new or empty directory)."""
+def package_plan(plan: str | Path, out: str | Path, modelcar: bool = False,
+                 busybox_deb: Optional[Path] = None) -> Packaged:
+    """Write plan directory `plan` as an OCI image layout at `out` (a new or empty directory).
+    `modelcar`: a layer with Debian's static busybox below the plan's (runtime/tools/modelcar.py),
+    from `busybox_deb` or apt's archive cache, so KServe can run the image as a modelcar."""
     plan, out = Path(plan), Path(out)
     manifest, raw = _read_plan_manifest(plan)
+    arch = OCI_ARCH.get(manifest.target.arch, manifest.target.arch)
+    shell_deb = None
+    if modelcar:
+        shell_deb = mc.read_deb(mc.find_deb(busybox_deb), arch)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PackageError(f"{out} exists and is not an empty directory; give a new one")
     blobs = out / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
     try:
-        with open(blobs / ".layer", "wb") as f:
-            layer = _write_layer(plan, manifest, raw, f)
-        os.replace(blobs / ".layer", blobs / layer.digest.removeprefix("sha256:"))
+        shell = None if shell_deb is None else _put_layer(
+            blobs, lambda f: mc.write_shell_layer(shell_deb, f))
+        layer = _put_layer(blobs, lambda f: _write_layer(plan, manifest, raw, f))
     except BaseException:
         shutil.rmtree(out / "blobs", ignore_errors=True)   # nothing half-written stays
         raise
+    layers = [d for d in (shell, layer) if d is not None]
     plan_digest = manifest_digest(raw)
     labels = {"dev.kiln.plan.name": manifest.name, "dev.kiln.plan.digest": plan_digest,
               "dev.kiln.plan.fingerprint": manifest.fingerprint,
               "dev.kiln.plan.path": f"/{MODELS_ROOT}/{manifest.name}"}
-    arch = OCI_ARCH.get(manifest.target.arch, manifest.target.arch)
+    image_config: dict = {"Labels": labels}
+    if shell_deb is not None:
+        labels["dev.kiln.modelcar.shell"] = f"{mc.PACKAGE} {shell_deb.version}"
+        image_config["Env"] = [mc.PATH_ENV]
     config = _put_blob(blobs, _canonical({
-        "architecture": arch, "os": "linux", "config": {"Labels": labels},
-        "rootfs": {"type": "layers", "diff_ids": [layer.digest]}}), CONFIG_MEDIA)
+        "architecture": arch, "os": "linux", "config": image_config,
+        "rootfs": {"type": "layers", "diff_ids": [d.digest for d in layers]}}), CONFIG_MEDIA)
     image = _put_blob(blobs, _canonical({
         "schemaVersion": 2, "mediaType": MANIFEST_MEDIA, "config": config.to_json(),
-        "layers": [layer.to_json()],
+        "layers": [d.to_json() for d in layers],
         "annotations": {"org.opencontainers.image.title": manifest.name, **labels}}),
         MANIFEST_MEDIA)
     (out / "oci-layout").write_bytes(_canonical({"imageLayoutVersion": LAYOUT_VERSION}))
@@ -207,7 +221,15 @@ def package_plan(plan: str | Path, out: str | Path) -> Packaged:
         "schemaVersion": 2, "mediaType": INDEX_MEDIA,
         "manifests": [{**image.to_json(), "annotations": {REF_ANNOTATION: manifest.name},
                        "platform": {"architecture": arch, "os": "linux"}}]}))
-    return Packaged(out, manifest.name, image, layer, plan_digest, manifest.fingerprint)
+    return Packaged(out, manifest.name, image, layer, plan_digest, manifest.fingerprint, shell)
+
+
+def _put_layer(blobs: Path, write) -> Descriptor:
+    """A layer written by write(file) -> Descriptor, stored under its digest."""
+    with open(blobs / ".layer", "wb") as f:
+        desc = write(f)
+    os.replace(blobs / ".layer", blobs / desc.digest.removeprefix("sha256:"))
+    return desc
 
 
 # ---- reading a layout back ------------------------------------------------------------------
@@ -323,6 +345,16 @@ def _extract(layer: Path, dest: Path, root: PurePosixPath) -> None:
                 shutil.copyfileobj(src, out, 1 << 22)
 
 
+def _check_outside(layer: Path, models: PurePosixPath) -> None:
+    """A layer below the plan's must hold nothing under /models (the plan is all there is)."""
+    with tarfile.open(layer, mode="r:") as tar:
+        for info in tar:
+            p = PurePosixPath(info.name.rstrip("/"))
+            if p == models or models in p.parents or p.is_absolute() or ".." in p.parts:
+                raise PackageError(f"{layer}: entry {info.name!r} of a layer below the plan's "
+                                   f"is under /{models} or leaves the image root")
+
+
 def unpack_layout(layout: str | Path, dest: str | Path) -> Path:
     """Verify an OCI plan layout (read_layout), unpack its plan into `dest` (new or empty),
     and return the plan directory; load it with runtime/plan.py load_plan to verify it."""
@@ -333,8 +365,9 @@ def unpack_layout(layout: str | Path, dest: str | Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     root = PurePosixPath(MODELS_ROOT, found.name)
     try:
-        for layer in found.layers:
-            _extract(layer, dest, root)
+        for layer in found.layers[:-1]:     # a modelcar's shell: the plan is the top layer
+            _check_outside(layer, PurePosixPath(MODELS_ROOT))
+        _extract(found.layers[-1], dest, root)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise

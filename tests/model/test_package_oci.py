@@ -141,3 +141,70 @@ def test_skopeo_reads_and_umoci_unpacks_the_layout(tiny_plan, tmp_path):
     manifest = json.loads((tiny_plan / "plan.json").read_text())
     for rel in [*manifest["files"], "plan.json"]:
         assert (unpacked / rel).read_bytes() == (tiny_plan / rel).read_bytes(), rel
+
+
+def _busybox_deb() -> Path:
+    from kiln.runtime.tools.modelcar import find_deb
+    if not shutil.which("dpkg-deb"):
+        pytest.skip("dpkg-deb is not installed (a Debian host)")
+    try:
+        return find_deb()
+    except PackageError as e:
+        pytest.skip(f"{e} (scripts/setup.sh downloads it)")
+
+
+def test_modelcar_image_has_a_deterministic_busybox_layer_below_the_plan(tiny_plan, tmp_path):
+    """--modelcar: Debian's static busybox (sh, ln, sleep: what KServe's modelcar sidecar
+    runs) in a layer of its own, the same digest twice; the plan layer and the unpacked plan
+    are those of the plain image; a package that is not busybox-static is refused."""
+    deb = _busybox_deb()
+    a = package_plan(tiny_plan, tmp_path / "a", modelcar=True, busybox_deb=deb)
+    b = package_plan(shutil.copytree(tiny_plan, tmp_path / "copy"), tmp_path / "b",
+                     modelcar=True, busybox_deb=deb)
+    plain = package_plan(tiny_plan, tmp_path / "plain")
+    assert a.manifest == b.manifest and a.shell == b.shell and a.shell is not None
+    assert a.layer == plain.layer and a.manifest != plain.manifest
+    found = read_layout(tmp_path / "a")
+    assert [p.name for p in found.layers] == [d.digest[7:] for d in (a.shell, a.layer)]
+    with tarfile.open(found.layers[0]) as tar:
+        members = {m.name: m for m in tar.getmembers()}
+    assert members["bin/sh"].issym() and members["bin/sh"].linkname == "busybox"
+    assert members["bin/busybox"].mode == 0o755
+    assert all(m.mtime == 0 and m.uid == m.gid == 0 and not m.uname for m in members.values())
+    assert not any(n.startswith("models") for n in members)
+    plan = load_packaged(tmp_path / "a", tmp_path / "unpacked", expect_digest=a.plan_digest)
+    for rel in [*plan.manifest.files, "plan.json"]:
+        assert (plan.path / rel).read_bytes() == (tiny_plan / rel).read_bytes(), rel
+    not_busybox = tmp_path / "not.deb"
+    not_busybox.write_bytes(b"!<arch>\nnot a package\n")
+    with pytest.raises(PackageError, match="dpkg-deb"):
+        package_plan(tiny_plan, tmp_path / "refused", modelcar=True, busybox_deb=not_busybox)
+    assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.skipif(not (shutil.which("skopeo") and shutil.which("umoci")),
+                    reason="Debian's skopeo and umoci are not installed")
+def test_skopeo_and_umoci_read_the_modelcar_image_and_its_shell_runs(tiny_plan, tmp_path):
+    """skopeo reports both layers and PATH=/bin; umoci unpacks a rootfs whose busybox runs
+    the modelcar's shell line (link the plan directory elsewhere, list it through the link,
+    sleep)."""
+    deb = _busybox_deb()
+    out = package_plan(tiny_plan, tmp_path / "oci", modelcar=True, busybox_deb=deb)
+    ref = f"{tmp_path / 'oci'}:{out.name}"
+    info = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{ref}"], check=True,
+                                     capture_output=True, text=True, timeout=60).stdout)
+    assert info["Digest"] == out.manifest.digest
+    assert info["Layers"] == [out.shell.digest, out.layer.digest]
+    assert info["Env"] == ["PATH=/bin"]
+    subprocess.run(["umoci", "unpack", "--rootless", "--image", ref, str(tmp_path / "bundle")],
+                   check=True, capture_output=True, timeout=60)
+    rootfs = tmp_path / "bundle" / "rootfs"
+    (tmp_path / "mnt").mkdir()
+    r = subprocess.run([str(rootfs / "bin" / "sh"), "-c",
+                        'ln -s "$0/models" "$1/" && ls "$1/models" && sleep 0',
+                        str(rootfs), str(tmp_path / "mnt")],
+                       env={"PATH": str(rootfs / "bin")}, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0 and r.stdout.split() == [out.name], r.stderr
+    plan_json = rootfs / "models" / out.name / "plan.json"
+    assert plan_json.read_bytes() == (tiny_plan / "plan.json").read_bytes()

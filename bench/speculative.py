@@ -1,9 +1,11 @@
-"""N-gram speculative decoding vs none on one plan, side by side in one run (not a test).
+"""Speculative decoding vs none on one plan, side by side in one run (not a test).
 
     python -m bench.speculative plans/smollm2-135m-cpu [--rounds 2] [--max-tokens 96]
         [--draft 4] [--streams 1,8,32] [--threads 2] [--out bench/results/speculative.json]
+        [--draft-plan plans/smollm2-135m-throughput-cpu]
 
-Two in-process Engines over the same plan: one with speculation (n-gram, --draft tokens)
+Two in-process Engines over the same plan: one with speculation (n-gram, or with
+--draft-plan a draft model: that plan, loaded beside the target, proposes; --draft tokens)
 and one without. At each concurrency of --streams, each round runs the prompts on each
 engine alternately, that many requests at a time (a batch of 1 is one request alone; a
 larger one cycles the prompts to fill it), greedy: (a) input-grounded prompts (quote, edit
@@ -70,19 +72,22 @@ def main() -> None:
     ap.add_argument("--streams", default="1", help="concurrencies, comma-separated: 1,8,32")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--draft-plan", default=None, help="a draft plan (method draft) instead "
+                    "of n-gram lookup")
     args = ap.parse_args()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     streams = [int(s) for s in args.streams.split(",")]
-    spec = SpeculativeConfig(max_draft_tokens=args.draft)
+    method = "ngram" if args.draft_plan is None else "draft"
+    spec = SpeculativeConfig(method=method, max_draft_tokens=args.draft)
     engines = {"off": Engine.from_plan(args.plan, num_threads=args.threads, speculative=False),
-               "ngram": Engine.from_plan(args.plan, num_threads=args.threads,
-                                         speculative=spec)}
+               method: Engine.from_plan(args.plan, num_threads=args.threads,
+                                        speculative=spec, draft_plan=args.draft_plan)}
     try:
         for e in engines.values():      # warm-up: first steps of a fresh engine are slower
             run_batch(e, CHAT[:1], SamplingParams(max_tokens=8, temperature=0))
         report = {"plan": args.plan, "machine": platform.processor() or platform.machine(),
                   "threads": args.threads, "max_tokens": args.max_tokens,
-                  "speculative": spec.__dict__, "kinds": {}}
+                  "speculative": spec.__dict__, "draft_plan": args.draft_plan, "kinds": {}}
         for kind, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
             report["kinds"][kind] = {str(n): measure(engines, batches(prompts, n), params,
                                                      args.rounds) for n in streams}
@@ -102,7 +107,8 @@ def measure(engines: dict[str, Engine], groups: list[list[str]], params: Samplin
     seconds = {k: 0.0 for k in engines}
     tpots: dict[str, list[float]] = {k: [] for k in engines}
     outputs: dict[str, dict[int, list[list[int]]]] = {k: {} for k in engines}
-    spec = engines["ngram"]
+    side = next(k for k in engines if k != "off")
+    spec = engines[side]
     before = spec.stats()
     for _ in range(rounds):
         for i, group in enumerate(groups):
@@ -120,10 +126,10 @@ def measure(engines: dict[str, Engine], groups: list[list[str]], params: Samplin
             "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
             "tpot_ms": {k: round(1000 * sum(v) / len(v), 2) if v else None
                         for k, v in tpots.items()},
-            "speedup": round(tps["ngram"] / tps["off"], 3),
+            "speedup": round(tps[side] / tps["off"], 3),
             "drafted": drafted, "accepted": accepted,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
-            "identical": outputs["ngram"] == outputs["off"]}
+            "identical": outputs[side] == outputs["off"]}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 from kiln.builder.draft import check_draft, draft_current, speculative_section
+from kiln.builder.memory import build_refusal, peak_rss_bytes
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
@@ -28,7 +29,7 @@ from kiln.contracts.manifest import (AccuracyRecord, CheckSection, EngineSection
                                      KVCacheSection, LimitsSection, ModelSection, PlanManifest,
                                      PrecisionSection, QuantizationRecord, SchedulerSection,
                                      DraftRecord, TargetSection, ToolchainSection)
-from kiln.contracts.manifest import LoraSection
+from kiln.contracts.manifest import BuildRecord, LoraSection
 
 # torch, the checkpoint readers and the compiler are imported inside the functions that
 # need them: an up-to-date check must answer in well under 2 seconds.
@@ -125,8 +126,11 @@ def kv_cache_section(spec: Spec) -> KVCacheSection:
 
 
 def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
-          force: bool = False, progress: Progress | None = None) -> BuildResult:
-    """Build the plan for a spec (or report it up to date). Raises SpecError/BuildError."""
+          force: bool = False, progress: Progress | None = None,
+          max_memory: Optional[int] = None) -> BuildResult:
+    """Build the plan for a spec (or report it up to date). Raises SpecError/BuildError;
+    BuildError before any work when the build cannot fit in memory (builder/memory.py;
+    max_memory: the bytes it may use, instead of what the machine has available)."""
     t0 = time.perf_counter()
     progress = progress or Progress()
     spec = load_spec(spec_path)
@@ -150,6 +154,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         manifest = read_manifest(out)
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
+    if (too_big := build_refusal(spec, ckpt.config, max_memory)) is not None:
+        raise BuildError(f"{spec.name}: {too_big}")     # before any weight is read
     out.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(out)
     tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
@@ -207,6 +213,7 @@ class _Built:
     accuracy: Optional[AccuracyRecord]
     draft: Optional[DraftRecord] = None    # the draft plan (speculative method draft)
     lora: Optional[LoraSection] = None     # the step takes adapters (a spec with lora)
+    streamed: bool = False                 # weights quantized as loaded (builder/streaming.py)
 
 
 def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
@@ -220,13 +227,18 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
 
     from kiln.builder import compile as kcompile
     from kiln.builder.sources import load_model
+    from kiln.builder.streaming import load_quantized_for, streams
 
-    progress.stage(f"loading weights: {ckpt.source_desc}")
-    # float32 whatever the precision: packing (int8/int4/fp8/bf16) is a transform after this
-    model = load_model(ckpt, dtype=torch.float32, progress=progress)
-    model.eval()
-    gate = _reference(model, spec, ckpt, progress)
-    quantization = _quantize(model, spec, ckpt, progress)
+    if streams(spec):     # each linear packed as it loads; the reference loads its own
+        gate = _reference(None, spec, ckpt, progress)
+        model, quantization = load_quantized_for(spec, ckpt, progress)
+    else:
+        progress.stage(f"loading weights: {ckpt.source_desc}")
+        # float32 whatever the precision: packing (int8/int4/fp8/bf16) is a transform after
+        model = load_model(ckpt, dtype=torch.float32, progress=progress)
+        model.eval()
+        gate = _reference(model, spec, ckpt, progress)
+        quantization = _quantize(model, spec, ckpt, progress)
     lora = _enable_lora(model, spec)
     engine = _compile(model, tmp, spec, target, progress, lora)
     progress.stage("checking the compiled step against the eager model")
@@ -237,7 +249,8 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
     manifest = _manifest(tmp, spec, spec_path, ckpt, target, fp, fp_inputs,
-                         _Built(quantization, engine, check, accuracy, draft, lora))
+                         _Built(quantization, engine, check, accuracy, draft, lora,
+                                streams(spec)))
     (tmp / MANIFEST_FILE).write_text(manifest.dumps())
     return manifest
 
@@ -349,6 +362,9 @@ def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp:
         files=files,
         speculative=speculative_section(spec, built.draft),
         lora=built.lora,
+        build=BuildRecord(peak_rss_bytes=peak_rss_bytes(),
+                          plan_bytes=sum(f.size for f in files.values()),
+                          streamed=built.streamed),
     )
 
 

@@ -1,13 +1,17 @@
 """Build progress for a person at a terminal (stages with timings, a tensor counter).
 
 On a terminal the current stage's line is redrawn with its elapsed time (a compile runs for
-minutes) and counters; elsewhere (CI logs) each stage prints one line when it ends.
+minutes) and counters; elsewhere (CI logs) each stage prints one line when it ends. A stage's
+closing line carries the builder's peak RSS so far (builder/memory.py), so the stage that set
+the peak is the first whose figure reaches it.
 """
 from __future__ import annotations
 
 import sys
 import threading
 import time
+
+from kiln.builder.memory import gib, peak_rss_bytes
 
 
 class Progress:
@@ -44,7 +48,8 @@ class Progress:
         with self._lock:
             if self._stage is not None:
                 dt = time.perf_counter() - self._stage_t
-                self._write(("\r\x1b[K" if self.tty else "") + f"  {self._stage} ({dt:.1f}s)\n")
+                self._write(("\r\x1b[K" if self.tty else "")
+                            + f"  {self._stage} ({dt:.1f}s, peak RSS {gib(peak_rss_bytes())})\n")
             self._stage, self._detail = None, ""
 
     def stage(self, name: str) -> None:
@@ -64,4 +69,5 @@ class Progress:
 
     def done(self, message: str) -> None:
         self._close_stage()
-        self._write(f"{message} in {time.perf_counter() - self.t0:.1f}s\n")
+        self._write(f"{message} in {time.perf_counter() - self.t0:.1f}s "
+                    f"(builder peak RSS {gib(peak_rss_bytes())})\n")

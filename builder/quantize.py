@@ -264,6 +264,13 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
     if qemb is not None:
         model.tok_embeddings = qemb
         done.quantized.append("tok_embeddings")
+    return quantization_record(scheme, done, method, calibration is not None)
+
+
+def quantization_record(scheme: QuantScheme, done: "_Swapped", method: str,
+                        calibration_given: bool) -> QuantizationRecord:
+    """What quantize_model (or the streaming load, builder/streaming.py) did, for plan.json."""
+    weights, keep = scheme.weights, scheme.keep
     return QuantizationRecord(
         weights=weights,
         # int4 on rows16 where not one linear fit the interleaved format: plain int4
@@ -280,7 +287,7 @@ def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = N
         # multiplied in float32 (no bf16 FMA on AVX2)
         fp8_compute="upcast-fp32" if weights == "fp8" else None,
         bf16_compute="upcast-fp32" if weights == "bf16" else None,
-        calibration=(None if calibration is None or scheme.calibrated else
+        calibration=(None if not calibration_given or scheme.calibrated else
                      "not used: AWQ scale search applies to int4 weight-only, "
                      "SmoothQuant to int8 weights with int8 activations"))
 

@@ -398,6 +398,14 @@ class AccuracyRecord(_Section):
 
 
 @dataclass(frozen=True)
+class BuildRecord(_Section):
+    """build: what building the plan took (builder/memory.py), for sizing build machines."""
+    peak_rss_bytes: int        # the builder's peak resident set when plan.json was written
+    plan_bytes: int            # the plan's files, plan.json aside
+    streamed: bool             # weights quantized as loaded (no whole fp32 model held)
+
+
+@dataclass(frozen=True)
 class GoldenPrompt:
     """A prompt `kiln verify` completes greedily: one of the spec's `golden` entries (read
     from the recorded spec, builder/spec.py), or its default smoke prompt."""
@@ -443,6 +451,7 @@ class PlanManifest(_Section):
     files: dict[str, FileEntry]      # every other file of the plan: size and sha256
     speculative: Optional[SpeculativeSection] = None   # absent: no speculative decoding
     lora: Optional[LoraSection] = None   # absent: the step takes no adapters
+    build: Optional[BuildRecord] = None  # absent: a plan of a kiln that did not record it
 
     @classmethod
     def from_json(cls, data: Any) -> "PlanManifest":
@@ -462,7 +471,7 @@ class PlanManifest(_Section):
 
     def to_json(self) -> dict:
         data = super().to_json()
-        for key in ("speculative", "lora"):    # a plan without them is written as before
+        for key in ("speculative", "lora", "build"):   # absent ones are not written
             if data[key] is None:
                 del data[key]
         return data

@@ -141,13 +141,14 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-               progress=None) -> DecoderModel:
+               progress=None, on_tensor=None) -> DecoderModel:
     """The family's model (eval mode, no grad) with every parameter taken from ckpt.tensors().
 
     The model is built on the meta device; each streamed tensor is assigned to its
     parameter, so the weights exist once. Raises CheckpointError naming any tensor that
     is not a parameter, comes twice, has the wrong shape, or is never given. `progress`
-    (a builder.progress.Progress) counts the tensors as they arrive.
+    (a builder.progress.Progress) counts the tensors as they arrive; `on_tensor(model, name)`
+    is called after each one is assigned (the streaming quantizer swaps finished linears).
     """
     with torch.device("meta"):
         model = build_model(ckpt.config)
@@ -167,6 +168,9 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
         module = model.get_submodule(owner) if owner else model
         setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
         filled.add(name)
+        del tensor
+        if on_tensor is not None:
+            on_tensor(model, name)
         if progress is not None:
             progress.count("tensors", len(filled), len(declared))
     missing = [n for n in declared if n not in filled]

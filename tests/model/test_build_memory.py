@@ -1,0 +1,71 @@
+"""A tiny build's memory accounting: the log's peak RSS per stage, the manifest's build record,
+the refusal of a build that cannot fit, the streaming load's plan equal to the eager one's."""
+import io
+import json
+
+import pytest
+
+from kiln.builder.build import build
+from kiln.builder.progress import Progress
+from kiln.runtime.plan import read_manifest
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def logged_build(tiny_spec_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("mem") / "plan"
+    log = io.StringIO()
+    res = build(tiny_spec_path, out, force=True, progress=Progress(stream=log))
+    return res, log.getvalue()
+
+
+def test_build_log_carries_peak_rss_per_stage(logged_build):
+    res, log = logged_build
+    stages = [ln for ln in log.splitlines() if ln.startswith("  ")]
+    assert any(ln.startswith("  loading weights") for ln in stages)
+    assert stages and all(", peak RSS " in ln and ln.endswith(" GiB)") for ln in stages)
+    assert "builder peak RSS" in log.splitlines()[-1]
+
+
+def test_manifest_records_peak_rss_and_plan_bytes(logged_build):
+    res, _ = logged_build
+    m = read_manifest(res.path)
+    assert m.build is not None
+    assert m.build.plan_bytes == m.total_bytes
+    assert 100 << 20 < m.build.peak_rss_bytes < 64 << 30
+    assert json.loads((res.path / "plan.json").read_text())["build"]["plan_bytes"] > 0
+
+
+def test_tiny_build_streams_its_weights(logged_build):
+    res, log = logged_build
+    assert "one tensor at a time" in log
+    assert read_manifest(res.path).build.streamed
+
+
+def test_build_that_cannot_fit_is_refused_before_any_work(tiny_spec_path, tmp_path):
+    from kiln.builder.build import BuildError
+
+    out = tmp_path / "plans" / "p"
+    with pytest.raises(BuildError, match=r"tiny-random: this checkpoint is larger than this "
+                       r"machine can build: needs ~1\.\d\d GiB: 0\.00 B parameters, weights "
+                       r"0\.00 GiB fp32, .*; 0\.00 GiB available \(--max-memory\)"):
+        build(tiny_spec_path, out, force=True, max_memory=1 << 20)
+    assert not (tmp_path / "plans").exists()
+
+
+def test_cli_max_memory_and_env(tiny_spec_path, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kiln.cli", "build", str(tiny_spec_path), "--force",
+           "--out", str(tmp_path / "p")]
+    r = subprocess.run(cmd + ["--max-memory", "64MiB"], capture_output=True, text=True)
+    assert r.returncode == 1 and "0.06 GiB available (--max-memory)" in r.stderr, r.stderr
+    env = dict(os.environ, KILN_BUILD_MAX_MEMORY="32MiB")
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    assert r.returncode == 1 and "0.03 GiB available (KILN_BUILD_MAX_MEMORY)" in r.stderr
+    r = subprocess.run(cmd + ["--max-memory", "lots"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--max-memory='lots'" in r.stderr
+    assert not (tmp_path / "p").exists()

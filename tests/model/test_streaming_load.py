@@ -1,0 +1,54 @@
+"""The streaming load (builder/streaming.py) packs the same weights, with the same record, as
+loading the float32 model whole and quantizing it (quantize_model), at every precision."""
+import pytest
+import torch
+
+from kiln.builder.quantize import quantize_model
+from kiln.builder.sources import load_model
+from kiln.builder.sources.random_source import open_random
+from kiln.builder.spec import RandomArch
+from kiln.builder.streaming import load_quantized
+
+pytestmark = pytest.mark.model
+
+
+def _ckpt(tied: bool, bias: bool = False):
+    arch = RandomArch(vocab_size=96, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      tie_word_embeddings=tied, attention_bias=bias)
+    return open_random(arch, 3)
+
+
+@pytest.mark.parametrize("weights,acts,keep,tied", [
+    ("int4", "int8", ("lm_head",), True),       # W4A8, embedding packed, tied int8 head
+    ("int4", "int8", (), False),                # untied head quantized on its own
+    ("int8", "int8", (), True),
+    ("int8", "float", ("embed", "lm_head"), False),
+    ("int4", "float", ("embed",), True),        # kept embedding, quantized tied head
+    ("int8", "float", ("lm_head",), True),      # packed embedding, kept tied head
+    ("fp8", "float", ("layers.1",), False),
+    ("bf16", "float", (), True),
+    ("fp32", "float", (), False),
+])
+def test_streamed_equals_whole_model_quantized(weights, acts, keep, tied):
+    ckpt = _ckpt(tied, bias=weights == "int8")
+    ref = load_model(ckpt)
+    ref_record = quantize_model(ref, weights, keep_high_precision=keep, activations=acts)
+    model, record = load_quantized(ckpt, weights, None, keep, acts, "cpu")
+    assert record == ref_record
+    a, b = ref.state_dict(), model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [type(m).__name__ for m in model.modules()] == \
+        [type(m).__name__ for m in ref.modules()]
+
+
+def test_streamed_load_still_names_a_missing_tensor():
+    from kiln.builder.sources import CheckpointError
+
+    ckpt = _ckpt(True)
+    full = ckpt._stream
+    ckpt._stream = lambda dtype: ((n, t) for n, t in full(dtype) if "w2" not in n)
+    with pytest.raises(CheckpointError, match=r"missing tensors: layers\.0\.feed_forward\.w2"):
+        load_quantized(ckpt, "int4", None, (), "int8", "cpu")

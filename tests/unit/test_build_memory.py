@@ -1,0 +1,84 @@
+"""The builder's memory accounting: peak RSS in the build log, the estimate from shapes, the
+refusal's arithmetic."""
+import io
+
+import pytest
+
+from kiln.builder import memory
+from kiln.builder.progress import Progress
+
+pytestmark = pytest.mark.unit
+
+
+def test_each_stage_line_carries_the_peak_rss():
+    out = io.StringIO()
+    p = Progress(stream=out)
+    p.stage("loading weights")
+    p.stage("quantizing")
+    p.done("plan written")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("  loading weights (") and ", peak RSS " in lines[0]
+    assert lines[1].startswith("  quantizing (") and lines[1].endswith(" GiB)")
+    assert "builder peak RSS" in lines[2]
+
+
+def test_peak_rss_grows_with_what_the_process_touches():
+    before = memory.peak_rss_bytes()
+    block = bytearray(256 << 20)          # zero pages: touch them so they are resident
+    for i in range(0, len(block), 4096):
+        block[i] = 1
+    assert memory.peak_rss_bytes() >= before + (200 << 20)
+    del block
+
+
+@pytest.mark.parametrize("text,value", [("24GiB", 24 << 30), ("512MiB", 512 << 20),
+                                        ("1.5GiB", int(1.5 * (1 << 30))), ("1000", 1000)])
+def test_parse_bytes(text, value):
+    assert memory.parse_bytes(text, "x") == value
+
+
+@pytest.mark.parametrize("text", ["lots", "-1G", "0"])
+def test_parse_bytes_refuses_what_is_not_a_size(text):
+    with pytest.raises(ValueError, match="x="):
+        memory.parse_bytes(text, "x")
+
+
+def _llama_1b_config():
+    from kiln.builder.arch.families import config_from_hf
+
+    return config_from_hf({"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+                           "intermediate_size": 8192, "num_hidden_layers": 16,
+                           "num_attention_heads": 32, "num_key_value_heads": 8,
+                           "head_dim": 64, "max_position_embeddings": 131072,
+                           "tie_word_embeddings": True})
+
+
+def test_estimate_from_shapes_of_a_1b_model():
+    est = memory.estimate(_llama_1b_config(), "int4", ("lm_head",), streaming=False)
+    assert 1.23e9 < est.params < 1.25e9              # Llama-3.2-1B: 1.236 B
+    assert est.fp32_bytes == 4 * est.params
+    # W4A8: int4 linears with group scales (0.97 B params), int8 embedding (0.26 B)
+    assert 0.8e9 < est.plan_bytes < 0.95e9
+    assert est.peak_bytes > est.fp32_bytes
+    streamed = memory.estimate(_llama_1b_config(), "int4", ("lm_head",), streaming=True)
+    assert streamed.plan_bytes == est.plan_bytes and streamed.peak_bytes < est.peak_bytes
+
+
+def test_refusal_gives_the_arithmetic():
+    est = memory.estimate(_llama_1b_config(), "int4", (), streaming=False)
+    msg = memory.refusal(est, 2 << 30, "--max-memory")
+    assert msg.startswith(f"this checkpoint is larger than this machine can build: needs "
+                          f"~{memory.gib(est.peak_bytes)}")
+    assert "1.24 B parameters, weights 4.60 GiB fp32" in msg
+    assert "2.00 GiB available (--max-memory)" in msg
+    assert memory.refusal(est, est.peak_bytes, "x") is None
+    assert memory.refusal(est, None, "x") is None
+
+
+def test_env_sets_the_memory_the_build_may_use(monkeypatch):
+    monkeypatch.setenv(memory.MAX_MEMORY_ENV, "3GiB")
+    assert memory.max_memory_override(None) == 3 << 30
+    assert memory.max_memory_override(5) == 5
+    monkeypatch.setenv(memory.MAX_MEMORY_ENV, "much")
+    with pytest.raises(ValueError, match="KILN_BUILD_MAX_MEMORY='much'"):
+        memory.max_memory_override(None)

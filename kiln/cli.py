@@ -203,6 +203,9 @@ def serve(
         "plan", "--speculative", metavar="plan|off", help="speculative decoding: as the plan "
         "was built (its speculative section, if any), or off"),
     draft_plan: Optional[Path] = typer.Option(None, metavar="DIR", help=DRAFT_PLAN_HELP),
+    lora: list[str] = typer.Option(
+        [], "--lora", metavar="NAME=DIR", help="load a LoRA adapter in PEFT's format (a plan "
+        "built with lora); requests name it as their model. Repeatable"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
@@ -217,6 +220,17 @@ def serve(
     except ServeError as e:
         _fail(str(e), 2)
     raise typer.Exit(code)
+
+
+def _loras(args: list[str]) -> tuple:
+    """--lora NAME=DIR values -> ((name, dir), ...); a bad one exits 2."""
+    out = []
+    for v in args:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            _fail(f"--lora {v}: expected NAME=DIR (an adapter name and its PEFT directory)", 2)
+        out.append((name, Path(path)))
+    return tuple(out)
 
 
 def _serve_config(a: dict):
@@ -235,7 +249,7 @@ def _serve_config(a: dict):
                       http_port=a["http_port"], metrics_host=a["metrics_host"],
                       metrics_auth=a["metrics_auth"], threads=a["threads"],
                       expect_digest=a["expect_digest"], speculative=a["speculative"],
-                      draft_plan=a["draft_plan"])
+                      draft_plan=a["draft_plan"], loras=_loras(a["lora"]))
     try:   # the caps: each flag is its field's name (guided: --guided-NAME)
         cfg = dataclasses.replace(cfg, limits=RequestLimits(**{
             f.name: a[f.name] for f in dataclasses.fields(RequestLimits) if f.name in a}))

@@ -79,6 +79,7 @@ class ServeConfig:
     expect_digest: Optional[str] = None      # refuse a plan whose plan.json sha256 differs
     speculative: str = "plan"                # the plan's speculative section, or "off"
     draft_plan: Optional[Path] = None        # its draft plan elsewhere than it records
+    loras: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, PEFT dir) loaded at start
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -107,6 +108,7 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
     if cfg.draft_plan is not None and how != "draft":
         raise ServeError(f"--draft-plan {cfg.draft_plan}: a draft plan serves a plan built "
                          f"with speculative method draft; this plan's speculation is {how}")
+    _check_loras(cfg, manifest)
     if cfg.auth_token is not None and not cfg.auth_token.strip():
         raise ServeError("--auth-token is empty (an unset variable?): give the token, or "
                          "leave the flag out to serve without auth")
@@ -118,6 +120,21 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
             raise ServeError(f"{flag} {port} is also {seen[host, port]}")
         seen[host, port] = flag
     return manifest, cfg.model_name or manifest.name
+
+
+def _check_loras(cfg: ServeConfig, manifest: PlanManifest) -> None:
+    """--lora needs a plan built with lora, and names distinct from the served model's."""
+    if not cfg.loras:
+        return
+    if manifest.lora is None:
+        raise ServeError(f"--lora {cfg.loras[0][0]}={cfg.loras[0][1]}: this plan was built "
+                         "without a lora section; it serves its base model only")
+    names = [n for n, _ in cfg.loras]
+    model = cfg.model_name or manifest.name
+    dup = next((n for n in names if names.count(n) > 1 or n == model), None)
+    if dup is not None:
+        raise ServeError(f"--lora {dup}: each adapter needs a name of its own, other than the "
+                         f"served model's ({model!r})")
 
 
 PORT_NAMES = {"--port": "gRPC", "--http-port": "HTTP", "--metrics-port": "metrics"}
@@ -399,9 +416,17 @@ async def drain_and_stop(cfg: ServeConfig, fe: Frontend, ports: Listeners,
 
 def _load(cfg: ServeConfig) -> tuple[Engine, Plan]:
     plan = load_plan(cfg.plan, cfg.expect_digest)   # the bytes it runs, checked again
-    return Engine.from_plan(plan, num_threads=cfg.threads, guided_limits=cfg.guided,
-                            speculative=cfg.speculative, draft_plan=cfg.draft_plan,
-                            **cfg.overrides()), plan
+    engine = Engine.from_plan(plan, num_threads=cfg.threads, guided_limits=cfg.guided,
+                              speculative=cfg.speculative, draft_plan=cfg.draft_plan,
+                              **cfg.overrides())
+    try:
+        for name, path in cfg.loras:
+            engine.adapters.load(name, path)
+            log.info("LoRA adapter %s loaded from %s", name, path)
+    except ValueError as e:
+        engine.shutdown()
+        raise ServeError(f"--lora {name}={path}: {e}") from None
+    return engine, plan
 
 
 async def drain(fe: Frontend, server, health_svc, seconds: float,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -259,11 +260,21 @@ class OpenAIApp:
         except ServiceError as e:
             raise _from_service(e)
 
+    def _adapters(self) -> list[str]:
+        """The LoRA adapters served as models of their own (a plan with lora)."""
+        engine = self.fe.engine
+        return [] if engine is None or engine.adapters is None else engine.adapters.names()
+
     def _check_model(self, model) -> None:
-        if isinstance(model, str) and model != self.fe.model_name:
+        if isinstance(model, str) and model != self.fe.model_name \
+                and model not in self._adapters():
             raise OpenAIError(404, f"the model {model!r} does not exist; this server serves "
-                              f"{self.fe.model_name!r}", "invalid_request_error", "model",
-                              "model_not_found")
+                              f"{', '.join(map(repr, [self.fe.model_name, *self._adapters()]))}",
+                              "invalid_request_error", "model", "model_not_found")
+
+    def _adapter(self, model) -> Optional[str]:
+        """The adapter a request's model names (None: the base model)."""
+        return None if model is None or model == self.fe.model_name else model
 
     @property
     def _fingerprint(self) -> str:
@@ -278,16 +289,18 @@ class OpenAIApp:
         return Response(generate_latest(self.fe.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
 
-    def _model_card(self) -> dict:
-        return {"id": self.fe.model_name, "object": "model", "created": int(self.fe.started),
-                "owned_by": "kiln"}
+    def _model_card(self, adapter: Optional[str] = None) -> dict:
+        card = {"id": adapter or self.fe.model_name, "object": "model",
+                "created": int(self.fe.started), "owned_by": "kiln"}
+        return card if adapter is None else {**card, "parent": self.fe.model_name}
 
     async def models(self):
-        return {"object": "list", "data": [self._model_card()]}
+        return {"object": "list", "data": [self._model_card(), *map(self._model_card,
+                                                                    self._adapters())]}
 
     async def model(self, model: str):
         self._check_model(model)
-        return self._model_card()
+        return self._model_card(self._adapter(model))
 
     async def completions(self, request: Request):
         return await self._generate(request, lambda body, tok: parse_completion(body, tok))
@@ -344,7 +357,10 @@ class OpenAIApp:
                       ) -> list[AsyncIterator[RequestOutput]]:
         """One engine request per choice; a refusal cancels those already submitted."""
         outputs = []
+        adapter = self._adapter(job.model)
         for ids, params in job.choices:
+            if adapter is not None:
+                params = dataclasses.replace(params, adapter=adapter)
             try:
                 _, outs = await stack.enter_async_context(self.fe.request(ids, params))
             except ServiceError as e:

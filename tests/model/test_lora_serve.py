@@ -1,0 +1,65 @@
+"""`kiln serve PLAN --lora NAME=DIR`: the OpenAI API serves each adapter as a model of its
+own (listed in /v1/models with the plan's model as parent, selected by the request's
+`model`), an unknown model is a 404, never the base model; --lora on a plan built without
+lora is refused before anything binds."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kiln.runtime.engine import Engine
+from kiln.runtime.plan import load_plan
+from kiln.runtime.sampling import SamplingParams
+from kiln.runtime.server.app import ServeConfig, ServeError, check_config
+from tests.model.test_lora_peft import PROMPTS, setup  # noqa: F401  (the plan and adapters)
+from tests.server_helpers import HttpServerProcess
+
+pytestmark = pytest.mark.model
+MODEL = "tiny-lora-peft"
+
+
+@pytest.fixture(scope="module")
+def server(setup, tmp_path_factory):  # noqa: F811
+    plan, _, dirs, _ = setup
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = [a for name in ("qv8", "mlp16") for a in ("--lora", f"{name}={dirs[name]}")]
+    s = HttpServerProcess(plan, *args, "--drain-seconds", "5", log_path=log)
+    try:
+        yield s.wait_serving()
+    finally:
+        assert s.terminate() == 0, s.log()
+
+
+def _complete(server, model: str) -> httpx.Response:
+    return httpx.post(server.base + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPTS[1], "max_tokens": 10, "temperature": 0})
+
+
+def test_adapters_are_models_of_their_own(server, setup):  # noqa: F811
+    cards = httpx.get(server.base + "/v1/models").json()["data"]
+    assert [(c["id"], c.get("parent")) for c in cards] == [
+        (MODEL, None), ("mlp16", MODEL), ("qv8", MODEL)]
+    texts = {m: _complete(server, m).json()["choices"][0]["text"] for m in (MODEL, "qv8")}
+    assert texts[MODEL] != texts["qv8"]
+    with Engine.from_plan(load_plan(setup[0])) as eng:
+        eng.adapters.load("qv8", setup[2]["qv8"])
+        want = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=10, temperature=0,
+                                                         adapter="qv8"))[0]
+    assert texts["qv8"] == want.text
+    assert _complete(server, "qv8").json()["model"] == "qv8"
+
+
+def test_an_unknown_model_is_a_404_never_the_base(server):
+    r = _complete(server, "all4")             # made, but not loaded
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "'qv8'" in r.json()["error"]["message"]
+
+
+def test_lora_on_a_plan_built_without_lora_is_refused(tiny_plan, setup):  # noqa: F811
+    cfg = ServeConfig(plan=tiny_plan, loras=(("qv8", setup[2]["qv8"]),))
+    with pytest.raises(ServeError, match="built without a lora section"):
+        check_config(cfg)
+    cfg = ServeConfig(plan=setup[0], loras=(("qv8", setup[2]["qv8"]),
+                                            ("qv8", setup[2]["mlp16"])))
+    with pytest.raises(ServeError, match="--lora qv8: each adapter needs a name of its own"):
+        check_config(cfg)

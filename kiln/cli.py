@@ -206,6 +206,9 @@ def serve(
     lora: list[str] = typer.Option(
         [], "--lora", metavar="NAME=DIR", help="load a LoRA adapter in PEFT's format (a plan "
         "built with lora); requests name it as their model. Repeatable"),
+    allow_lora_loading: bool = typer.Option(
+        False, "--allow-lora-loading", help="HTTP routes /v1/load_lora_adapter and "
+        "/v1/unload_lora_adapter: adapters read from this host's paths at run time"),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
@@ -249,7 +252,8 @@ def _serve_config(a: dict):
                       http_port=a["http_port"], metrics_host=a["metrics_host"],
                       metrics_auth=a["metrics_auth"], threads=a["threads"],
                       expect_digest=a["expect_digest"], speculative=a["speculative"],
-                      draft_plan=a["draft_plan"], loras=_loras(a["lora"]))
+                      draft_plan=a["draft_plan"], loras=_loras(a["lora"]),
+                      lora_loading=a["allow_lora_loading"])
     try:   # the caps: each flag is its field's name (guided: --guided-NAME)
         cfg = dataclasses.replace(cfg, limits=RequestLimits(**{
             f.name: a[f.name] for f in dataclasses.fields(RequestLimits) if f.name in a}))

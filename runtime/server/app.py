@@ -80,6 +80,7 @@ class ServeConfig:
     speculative: str = "plan"                # the plan's speculative section, or "off"
     draft_plan: Optional[Path] = None        # its draft plan elsewhere than it records
     loras: tuple[tuple[str, Path], ...] = ()  # LoRA adapters (name, PEFT dir) loaded at start
+    lora_loading: bool = False               # HTTP routes that load/unload adapters
 
     def overrides(self) -> dict:
         return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
@@ -123,7 +124,11 @@ def check_config(cfg: ServeConfig) -> tuple[PlanManifest, str]:
 
 
 def _check_loras(cfg: ServeConfig, manifest: PlanManifest) -> None:
-    """--lora needs a plan built with lora, and names distinct from the served model's."""
+    """--lora and --allow-lora-loading need a plan built with lora (the latter the HTTP API);
+    adapters need names distinct from the served model's."""
+    if cfg.lora_loading and (manifest.lora is None or cfg.http_port is None):
+        raise ServeError("--allow-lora-loading needs --http-port and a plan built with a lora "
+                         "section")
     if not cfg.loras:
         return
     if manifest.lora is None:
@@ -315,7 +320,8 @@ async def listen(cfg: ServeConfig, fe: Frontend, tls: Optional[Tls]) -> Listener
                                             tls.context if tls else None)
         if cfg.http_port is not None:   # same loop, same Frontend (engine, metrics, drain)
             from kiln.runtime.server.openai_http import HttpServer
-            ports.http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key)
+            ports.http = HttpServer(fe, cfg.auth_token, cfg.tls_cert, cfg.tls_key,
+                                    cfg.lora_loading)
             await ports.http.start(cfg.host, cfg.http_port)
         await ports.grpc.start()
     except BaseException:

@@ -222,10 +222,15 @@ async def _disconnected(request: Request) -> None:
 class OpenAIApp:
     """The routes, over one Frontend."""
 
-    def __init__(self, fe: Frontend, auth_token: Optional[str] = None):
+    def __init__(self, fe: Frontend, auth_token: Optional[str] = None,
+                 lora_loading: bool = False):
         self.fe = fe
         self._token = BearerToken(auth_token) if auth_token else None
         self.app = self._build()
+        if lora_loading:     # --allow-lora-loading: adapters loaded and unloaded at run time
+            from kiln.runtime.server import lora_http
+
+            lora_http.add_routes(self.app, fe, [Depends(self._auth)])
 
     # ---- wiring ------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
@@ -431,8 +436,8 @@ class HttpServer:
     """uvicorn serving OpenAIApp as a task on the running loop."""
 
     def __init__(self, fe: Frontend, auth_token: Optional[str] = None,
-                 tls_cert=None, tls_key=None):
-        self.app = OpenAIApp(fe, auth_token).app
+                 tls_cert=None, tls_key=None, lora_loading: bool = False):
+        self.app = OpenAIApp(fe, auth_token, lora_loading).app
         self.tls = (str(tls_cert), str(tls_key)) if tls_cert else None
         self._server: Optional[_Uvicorn] = None
         self._task: Optional[asyncio.Task] = None

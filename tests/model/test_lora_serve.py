@@ -1,7 +1,8 @@
 """`kiln serve PLAN --lora NAME=DIR`: the OpenAI API serves each adapter as a model of its
 own (listed in /v1/models with the plan's model as parent, selected by the request's
-`model`), an unknown model is a 404, never the base model; --lora on a plan built without
-lora is refused before anything binds."""
+`model`), an unknown model is a 404, never the base model; with --allow-lora-loading adapters
+load and unload over HTTP (a bad one refused, the server serving on); --lora on a plan built
+without lora is refused before anything binds."""
 from __future__ import annotations
 
 import httpx
@@ -23,7 +24,8 @@ def server(setup, tmp_path_factory):  # noqa: F811
     plan, _, dirs, _ = setup
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     args = [a for name in ("qv8", "mlp16") for a in ("--lora", f"{name}={dirs[name]}")]
-    s = HttpServerProcess(plan, *args, "--drain-seconds", "5", log_path=log)
+    s = HttpServerProcess(plan, *args, "--allow-lora-loading", "--drain-seconds", "5",
+                          log_path=log)
     try:
         yield s.wait_serving()
     finally:
@@ -55,10 +57,29 @@ def test_an_unknown_model_is_a_404_never_the_base(server):
     assert "'qv8'" in r.json()["error"]["message"]
 
 
+def test_adapters_load_and_unload_at_run_time(server, setup, tmp_path):  # noqa: F811
+    post = lambda route, **body: httpx.post(f"{server.base}/v1/{route}", json=body,  # noqa
+                                            timeout=60)
+    r = post("load_lora_adapter", lora_name="all4", lora_path=str(setup[2]["all4"]))
+    assert r.status_code == 200, r.text
+    assert _complete(server, "all4").status_code == 200
+    (tmp_path / "empty").mkdir()
+    r = post("load_lora_adapter", lora_name="bad", lora_path=str(tmp_path / "empty"))
+    assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+    r = post("load_lora_adapter", lora_name="qv8", lora_path=str(setup[2]["all4"]))
+    assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+    assert post("unload_lora_adapter", lora_name="all4").status_code == 200
+    assert _complete(server, "all4").status_code == 404
+    assert post("unload_lora_adapter", lora_name="all4").status_code == 404
+    assert _complete(server, "qv8").status_code == 200          # still serving
+
+
 def test_lora_on_a_plan_built_without_lora_is_refused(tiny_plan, setup):  # noqa: F811
     cfg = ServeConfig(plan=tiny_plan, loras=(("qv8", setup[2]["qv8"]),))
     with pytest.raises(ServeError, match="built without a lora section"):
         check_config(cfg)
+    with pytest.raises(ServeError, match="--allow-lora-loading needs --http-port"):
+        check_config(ServeConfig(plan=setup[0], lora_loading=True))
     cfg = ServeConfig(plan=setup[0], loras=(("qv8", setup[2]["qv8"]),
                                             ("qv8", setup[2]["mlp16"])))
     with pytest.raises(ServeError, match="--lora qv8: each adapter needs a name of its own"):

@@ -40,6 +40,7 @@ class AdapterRegistry:
         self._paths: dict[str, Path] = {}
         self._weights: OrderedDict[str, AdapterWeights] = OrderedDict()   # LRU first
         self._users: dict[str, int] = {}
+        self._requests: dict[str, int] = {}          # requests each adapter served (ever)
         self._slots: list[Optional[str]] = [None] * buffers.num_slots
         self._slot_used = [0] * buffers.num_slots      # step counter of each slot's last use
         self._steps = 0
@@ -115,6 +116,7 @@ class AdapterRegistry:
                 known = ", ".join(sorted(self._paths)) or "none"
                 raise UnknownAdapterError(f"unknown adapter {name!r} (loaded: {known})")
             self._users[name] += 1
+            self._requests[name] = self._requests.get(name, 0) + 1
             weights, path = self._weights.get(name), self._paths[name]
         if weights is None:
             try:
@@ -132,6 +134,12 @@ class AdapterRegistry:
         with self._lock:
             if self._users.get(name):
                 self._users[name] -= 1
+
+    def stats(self) -> tuple[int, int, dict[str, int]]:
+        """(adapters loaded, adapters requests use now, requests per adapter name so far)."""
+        with self._lock:
+            return (len(self._paths), sum(1 for n in self._users.values() if n),
+                    dict(self._requests))
 
     # ---- steps ---------------------------------------------------------------------------------
     def token_slots(self, adapters: Sequence[Optional[str]], counts: Sequence[int]

@@ -66,6 +66,21 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=float(value))
+        if engine.adapters is not None:
+            yield from _lora_metrics(engine.adapters.stats())
+
+
+def _lora_metrics(stats: tuple[int, int, dict[str, int]]):
+    """A LoRA plan's adapters: loaded, in use, requests per adapter."""
+    loaded, active, requests = stats
+    yield GaugeMetricFamily("kiln_lora_adapters_loaded", "LoRA adapters loaded", value=loaded)
+    yield GaugeMetricFamily("kiln_lora_adapters_active", "LoRA adapters that requests in "
+                            "flight use", value=active)
+    per = CounterMetricFamily("kiln_lora_requests", "requests per LoRA adapter",
+                              labels=["adapter"])
+    for name, n in sorted(requests.items()):
+        per.add_metric([name], float(n))
+    yield per
 
 
 class Metrics:

@@ -49,6 +49,9 @@ def test_adapters_are_models_of_their_own(server, setup):  # noqa: F811
                                                          adapter="qv8"))[0]
     assert texts["qv8"] == want.text
     assert _complete(server, "qv8").json()["model"] == "qv8"
+    m = server.metrics()
+    assert m["kiln_lora_adapters_loaded"] == 2 and m["kiln_lora_adapters_active"] == 0
+    assert m['kiln_lora_requests_total{adapter="qv8"}'] == 2
 
 
 def test_an_unknown_model_is_a_404_never_the_base(server):

@@ -85,6 +85,7 @@ def test_unknown_names_and_unloading_a_used_adapter_are_refused(tmp_path):
     with pytest.raises(AdapterError, match="already loaded"):
         reg.load("ad0", tmp_path / "ad0")
     reg.acquire("ad1")
+    assert reg.stats() == (3, 1, {"ad1": 1})
     with pytest.raises(AdapterError, match="used by 1 request"):
         reg.unload("ad1")
     reg.release("ad1")

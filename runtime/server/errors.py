@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from kiln.plugins.inflight_batching import RequestRefused
+from kiln.runtime.lora import UnknownAdapterError
 from kiln.runtime.engine import EngineError, QueueFullError
 
 
@@ -46,6 +47,8 @@ def classify(exc: BaseException) -> ServiceError:
         return ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "queue_full")
     if isinstance(exc, EngineError):
         return unavailable(str(exc))
+    if isinstance(exc, UnknownAdapterError):     # a LoRA adapter that is not loaded
+        return not_found(str(exc))
     if isinstance(exc, (RequestRefused, ValueError, UnicodeError)):
         return invalid(str(exc))
     return ServiceError(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", "error")

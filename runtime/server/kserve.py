@@ -76,6 +76,7 @@ INPUTS: dict[str, InputSpec] = {
     "return_num_output_tokens": InputSpec(_BOOL),
     "ignore_eos": InputSpec(_BOOL),        # genai-perf's --extra-inputs ignore_eos:true
     "max_draft_tokens": InputSpec(_I32),   # speculative drafts a step at most (0: none)
+    "lora_name": InputSpec(_BYTES),        # a loaded LoRA adapter (unknown: NOT_FOUND)
     # TensorRT-LLM clients may send these as false; true asks for what is not served
     "return_log_probs": InputSpec(_BOOL),
     "return_context_logits": InputSpec(_BOOL),
@@ -195,6 +196,8 @@ def parse(request, max_tokens_limit: int, limits: RequestLimits = RequestLimits(
     kw["ignore_eos"] = bool(v.get("ignore_eos", False))
     kw["stop"] = tuple(v.get("stop_words", ()))
     kw["bad_words"] = tuple(v.get("bad_words", ()))
+    if "lora_name" in v:
+        kw["adapter"] = _utf8("lora_name", v["lora_name"]) or None
     try:
         kw["guided"] = _guided(v)
         params = SamplingParams(max_tokens=max_tokens, **kw)

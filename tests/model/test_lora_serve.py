@@ -6,6 +6,7 @@ without lora is refused before anything binds."""
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 
 from kiln.runtime.engine import Engine
@@ -52,6 +53,26 @@ def test_adapters_are_models_of_their_own(server, setup):  # noqa: F811
     m = server.metrics()
     assert m["kiln_lora_adapters_loaded"] == 2 and m["kiln_lora_adapters_active"] == 0
     assert m['kiln_lora_requests_total{adapter="qv8"}'] == 2
+
+
+def test_kserve_lora_name_selects_the_adapter(server):
+    import tritonclient.grpc as tc
+
+    from tests.model.test_server import text_of, triton_inputs
+
+    def infer(lora: str | None):
+        ins = triton_inputs("abc", 10)
+        if lora is not None:
+            t = tc.InferInput("lora_name", [1, 1], "BYTES")
+            t.set_data_from_numpy(np.array([[lora.encode()]], dtype=object))
+            ins.append(t)
+        return text_of(tc.InferenceServerClient(server.url).infer(MODEL, ins))
+
+    openai = httpx.post(server.base + "/v1/completions", timeout=60, json={
+        "model": "mlp16", "prompt": "abc", "max_tokens": 10, "temperature": 0})
+    assert infer("mlp16") == openai.json()["choices"][0]["text"] != infer(None)
+    with pytest.raises(tc.InferenceServerException, match="NOT_FOUND.*unknown adapter 'nope'"):
+        infer("nope")
 
 
 def test_an_unknown_model_is_a_404_never_the_base(server):

@@ -16,6 +16,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 DRAFT_PLAN_HELP = ("the draft plan of a plan built with speculative method draft, where it "
                    "is not at the path the plan records")
+LORA_HELP = ("load a LoRA adapter in PEFT's format (a plan built with lora); requests name it "
+             "as their model. Repeatable")
+LORA_LOAD_HELP = ("HTTP routes /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters "
+                  "read from this host's paths at run time")
 
 
 def _fail(message: str, code: int = 1):
@@ -203,20 +207,14 @@ def serve(
         "plan", "--speculative", metavar="plan|off", help="speculative decoding: as the plan "
         "was built (its speculative section, if any), or off"),
     draft_plan: Optional[Path] = typer.Option(None, metavar="DIR", help=DRAFT_PLAN_HELP),
-    lora: list[str] = typer.Option(
-        [], "--lora", metavar="NAME=DIR", help="load a LoRA adapter in PEFT's format (a plan "
-        "built with lora); requests name it as their model. Repeatable"),
-    allow_lora_loading: bool = typer.Option(
-        False, "--allow-lora-loading", help="HTTP routes /v1/load_lora_adapter and "
-        "/v1/unload_lora_adapter: adapters read from this host's paths at run time"),
+    lora: list[str] = typer.Option([], "--lora", metavar="NAME=DIR", help=LORA_HELP),
+    allow_lora_loading: bool = typer.Option(False, "--allow-lora-loading", help=LORA_LOAD_HELP),
 ):
     """Serve a plan over gRPC (KServe v2 / Triton, kiln.v1, health, reflection) until
     SIGTERM or SIGINT."""
     from kiln.runtime.compute import claim_process
-
     threads = claim_process(threads)   # before torch is imported
     from kiln.runtime.server.app import ServeError, run
-
     cfg = _serve_config(dict(locals()))
     try:
         code = run(cfg)

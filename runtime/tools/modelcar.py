@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Optional
 
+from kiln.runtime.tools.oci_tar import (LAYER_MEDIA, Descriptor, HashingWriter, PackageError,
+                                        tar_entry)
+
 PACKAGE = "busybox-static"
 BUSYBOX = "./bin/busybox"
 COPYRIGHT = f"./usr/share/doc/{PACKAGE}/copyright"
@@ -50,7 +53,6 @@ def deb_dirs() -> tuple[Path, ...]:
 
 def find_deb(given: Optional[Path] = None) -> Path:
     """The busybox-static .deb to use: `given`, else the newest one in deb_dirs()."""
-    from kiln.runtime.tools.package import PackageError
     if given is not None:
         return Path(given)
     for d in deb_dirs():
@@ -63,7 +65,6 @@ def find_deb(given: Optional[Path] = None) -> Path:
 
 
 def _dpkg_deb(*args: str) -> bytes:
-    from kiln.runtime.tools.package import PackageError
     exe = shutil.which("dpkg-deb")
     if exe is None:
         raise PackageError("--modelcar needs dpkg-deb (Debian's dpkg) to read the "
@@ -78,7 +79,6 @@ def _dpkg_deb(*args: str) -> bytes:
 def read_deb(deb: Path, arch: str) -> ShellDeb:
     """Check that `deb` is busybox-static for OCI architecture `arch`; its busybox binary and
     copyright file. PackageError naming the problem otherwise."""
-    from kiln.runtime.tools.package import PackageError
     if not deb.is_file():
         raise PackageError(f"--busybox-deb {deb}: no such file")
     fields = _dpkg_deb("--field", str(deb), "Package", "Architecture", "Version")
@@ -103,7 +103,6 @@ def read_deb(deb: Path, arch: str) -> ShellDeb:
 
 def write_shell_layer(shell: ShellDeb, out):
     """The shell layer's tar into the open file `out` -> its Descriptor."""
-    from kiln.runtime.tools.package import LAYER_MEDIA, Descriptor, HashingWriter, tar_entry
     entries: dict[str, tuple[tarfile.TarInfo, Optional[bytes]]] = {}
     files = {BUSYBOX[2:]: (shell.busybox, 0o755), COPYRIGHT[2:]: (shell.copyright, 0o644)}
     for name, (data, mode) in files.items():

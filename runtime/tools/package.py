@@ -34,33 +34,18 @@ from typing import Optional
 from kiln.contracts import MANIFEST_FILE
 from kiln.contracts.manifest import ManifestError, PlanManifest, manifest_digest
 from kiln.runtime.tools import modelcar as mc
+from kiln.runtime.tools.oci_tar import (LAYER_MEDIA, Descriptor, HashingWriter, PackageError,
+                                        tar_entry)
 
 LAYOUT_VERSION = "1.0.0"
 INDEX_MEDIA = "application/vnd.oci.image.index.v1+json"
 MANIFEST_MEDIA = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
-LAYER_MEDIA = "application/vnd.oci.image.layer.v1.tar"
 MODELS_ROOT = "models"
 REF_ANNOTATION = "org.opencontainers.image.ref.name"
 # platform.machine() of the plan's target -> the OCI (GOARCH) architecture name
 OCI_ARCH = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64",
             "ppc64le": "ppc64le", "s390x": "s390x"}
-
-
-class PackageError(RuntimeError):
-    """A plan that cannot be packaged, or an OCI layout that is refused (message for a person)."""
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """An OCI content descriptor: what a blob is, its sha256 and size."""
-
-    media_type: str
-    digest: str    # "sha256:<hex>"
-    size: int
-
-    def to_json(self) -> dict:
-        return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
 
 
 @dataclass(frozen=True)
@@ -91,32 +76,6 @@ def _read_plan_manifest(plan: Path) -> tuple[PlanManifest, bytes]:
     except (ManifestError, ValueError) as e:
         raise PackageError(f"{plan / MANIFEST_FILE} is not a valid plan manifest ({e}); "
                            "rebuild the plan") from None
-
-
-def tar_entry(name: str, mode: int, size: int = 0, is_dir: bool = False) -> tarfile.TarInfo:
-    """A tar header with nothing of the host in it: mtime 0, uid/gid 0, no user names."""
-    info = tarfile.TarInfo(name)
-    info.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
-    info.mode, info.size, info.mtime = mode, size, 0
-    info.uid = info.gid = 0
-    info.uname = info.gname = ""
-    return info
-
-
-class HashingWriter(io.RawIOBase):
-    """A write-only file that hashes and counts what goes through it into `out`."""
-
-    def __init__(self, out):
-        self.out, self.sha, self.size = out, hashlib.sha256(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.out.write(b)
-        self.sha.update(b)
-        self.size += len(b)
-        return len(b)
 
 
 class _CheckedReader(io.RawIOBase):

@@ -69,14 +69,16 @@ def rebuild_cmd(specs: Path = SPECS, store: Path = STORE, target: Optional[str] 
                 json_out: Optional[Path] = typer.Option(None, "--json", help="write the JSON "
                                                         "report here"),
                 full: bool = typer.Option(False, "--full", help="compute every fingerprint "
-                                          "(ignore quick keys)")):
+                                          "(ignore quick keys)"),
+                oci: bool = typer.Option(False, "--oci", help="publish each current plan's OCI "
+                                         "image (kiln package) beside it: STORE/images/<fp>")):
     """Build, verify and publish every spec's plan that is missing from the store.
     Exits 1 when any spec failed (the others are still built and reported)."""
     from kiln.builder.plan_ci.pipeline import CIOptions, rebuild
     from kiln.builder.plan_ci.report import render_markdown
 
     result = rebuild(_specs(specs), CIOptions(store=store, jobs=jobs, keep=keep, full=full,
-                                              target=target))
+                                              target=target, oci=oci))
     text = render_markdown(result)
     if report:
         report.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ class CIOptions:
     keep: int = 3                  # plans kept per spec (the current one always stays)
     full: bool = False             # compute every fingerprint; ignore quick keys
     target: Optional[str] = None   # only specs with this target.device (CI runner per target)
+    oci: bool = False              # publish each current plan's OCI image beside it too
 
 
 def select(assessments: list[Assessment], target: Optional[str]) -> list[Assessment]:
@@ -70,6 +71,9 @@ def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = Non
 
     for i, a, out in _run_jobs(jobs, opts.jobs):
         results[i] = _publish(store, a, out, opts.keep, log)
+    if opts.oci:
+        for res in results.values():
+            _publish_image(store, res, log)
     return RunReport([results[i] for i in sorted(results)], str(opts.store),
                      time.perf_counter() - t0, started, _toolchain(), opts.target)
 
@@ -227,6 +231,22 @@ def _publish(store: PlanStore, a: Assessment, out: BuildOutcome, keep: int,
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish_image(store: PlanStore, res: SpecResult, log: TextIO) -> None:
+    """The current plan of a spec that did not fail, as an OCI image beside it in the store
+    (images/<fp>/, its digest in packages/<fp>.json); a failure fails the spec."""
+    if not res.ok or not res.fingerprint:
+        return
+    fp = res.fingerprint
+    try:
+        digest, written = store.publish_image(fp)
+    except Exception as e:     # PackageError, StoreError, OSError: reported with the spec
+        print(f"{res.name}: FAILED to package {fp[:12]}: {e}", file=log)
+        res.status, res.error = FAILED, f"packaging {fp[:12]}: {e}"
+        return
+    print(f"{res.name}: {'packaged' if written else 'image already in the store for'} "
+          f"{fp[:12]}: {digest}", file=log)
 
 
 def _result(a: Assessment, status: str, out: Optional[BuildOutcome] = None,

@@ -186,6 +186,41 @@ class PlanStore:
                               {"manifest_digest": manifest_digest, "layer_digest": layer_digest,
                                "plan_digest": plan_digest})
 
+    def image_dir(self, fp: str) -> Path:
+        """Where `kiln ci rebuild --oci` publishes plan fp's OCI image layout."""
+        return self.root / "images" / fp
+
+    def publish_image(self, fp: str) -> tuple[str, bool]:
+        """Package plan fp as an OCI image layout at image_dir(fp), beside the plan, and
+        record its digest (record_package) -> (manifest digest, whether it was written now).
+        A plan already packaged there is left as it is. Written in staging and renamed into
+        place, so a reader never sees half an image."""
+        from kiln.runtime.tools.package import PackageError, package_plan, read_layout
+
+        record, dest = self.package(fp), self.image_dir(fp)
+        if record and dest.is_dir():
+            try:      # every blob checked: a damaged image is written again
+                if read_layout(dest).manifest.digest == record.get("manifest_digest"):
+                    return record["manifest_digest"], False
+            except PackageError:
+                pass
+        self.staging.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=self.staging, prefix=f"image-{fp[:12]}-"))
+        try:
+            done = package_plan(self.plan_dir(fp), work / "oci")
+            with self.lock():
+                if not self.has(fp):
+                    raise StoreError(f"plan {fp[:12]} left the store while it was packaged")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if dest.exists():
+                    self._remove(dest)
+                os.replace(work / "oci", dest)
+                self.record_package(fp, done.manifest.digest, done.layer.digest,
+                                    done.plan_digest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return done.manifest.digest, True
+
     def pointer(self, name: str) -> Optional[Pointer]:
         data = _read_json(self.current_dir / f"{name}.json")
         if not data or not isinstance(data.get("fingerprint"), str):
@@ -315,6 +350,8 @@ class PlanStore:
                 self._remove(self.plan_dir(fp))
                 (self.records / f"{fp}.json").unlink(missing_ok=True)
                 (self.root / "packages" / f"{fp}.json").unlink(missing_ok=True)
+                if self.image_dir(fp).exists():
+                    self._remove(self.image_dir(fp))
             if removed and ptr is not None:
                 self._write_pointer(dataclasses.replace(
                     ptr, history=tuple(h for h in ptr.history if h not in removed)))

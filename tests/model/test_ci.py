@@ -289,3 +289,34 @@ def test_kiln_verify_cli(repo):
     assert r.exit_code == 0, r.output
     assert "golden 1/1 'hello': ok (" in r.output and "result: ok" in r.output
     assert "accuracy: not applicable" in r.output
+
+
+def test_oci_publishes_each_current_plans_image_beside_it(repo):
+    """rebuild --oci: STORE/images/<fp>/ is the plan's OCI image, its manifest digest the
+    one recorded in packages/<fp>.json (what `kiln ci current --oci-digest` prints); the next
+    run leaves it, a damaged one is written again, and pruning a plan removes its image."""
+    from kiln.runtime.tools.package import package_plan, read_layout
+
+    report = repo.run(oci=True)
+    assert report.ok, report.log
+    for s in report.specs:
+        layout = read_layout(repo.store.image_dir(s.fingerprint))   # every blob checked
+        digest = repo.store.package(s.fingerprint)["manifest_digest"]
+        assert layout.manifest.digest == digest and digest in report.log
+        again = package_plan(repo.store.plan_dir(s.fingerprint), repo.root / s.name)
+        assert again.manifest.digest == digest                     # deterministic
+        r = CliRunner().invoke(app, ["ci", "current", s.name, "--oci-digest", "--store",
+                                     str(repo.store.root)])
+        assert r.exit_code == 0 and r.output.strip() == digest, r.output
+    fp = by_name(report)["tiny-a"].fingerprint
+    index = repo.store.image_dir(fp) / "index.json"
+    second = repo.run(oci=True)
+    assert "image already in the store for" in second.log and "packaged" not in second.log
+    index.write_text("{}")
+    third = repo.run(oci=True)
+    assert f"tiny-a: packaged {fp[:12]}" in third.log, third.log
+    assert read_layout(repo.store.image_dir(fp)).manifest.digest == \
+        repo.store.package(fp)["manifest_digest"]
+    repo.write_spec("a", spec_text("tiny-a", "random", batch=2))
+    assert repo.run(oci=True, keep=1).ok
+    assert not repo.store.image_dir(fp).exists() and repo.store.package(fp) is None

@@ -395,13 +395,13 @@ class Engine:
             if rid in self._requests or any(r.seq.request_id == rid
                                               for r in _added(self._inbox)):
                 raise ValueError(f"request id {rid!r} is already in flight")
-            if params.adapter is not None:      # UnknownAdapterError: never the base instead
-                AdapterRegistry.acquire_for(self.adapters, params.adapter)
             seq = TokenSequence(rid, ids, params.max_tokens, params.min_tokens, stop_ids, state,
                                 adapter=params.adapter)
             stream = RequestStream(self._abort, rid, ids)
             detok = tok.detokenizer(ids, params.stop, params.include_stop_str_in_output,
                                     params.skip_special_tokens)
+            if params.adapter is not None:      # UnknownAdapterError: never the base instead
+                AdapterRegistry.acquire_for(self.adapters, params.adapter)   # until retired
             self._inbox.append(AddRequest(_Request(seq, stream, detok)))
             self._pending_adds += 1
             self._cv.notify()

@@ -2,9 +2,18 @@
 projects publish: KServe's objects with the `kserve` package's OpenAPI models (Kubernetes'
 own models for the core types inside them), KEDA's with `cloudcoil-models-keda` (pydantic
 models generated from KEDA's CRD schemas). Unknown fields, wrong types and missing required
-fields are errors naming the path; neither library rejects an unknown field by itself."""
+fields are errors naming the path; neither library rejects an unknown field by itself.
+
+    python -m tests.crd_models OBJECTS.yaml     one line per document: "ok KIND" or
+                                                "error KIND: what is wrong"
+
+Run it as a process of its own: `import kserve` loads KServe's copy of the v2 inference
+protos, which clashes with tritonclient's (the same `inference.*` names) in one interpreter.
+"""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 # OpenAPI primitive type names of the kserve/kubernetes models -> accepted JSON types.
@@ -103,3 +112,20 @@ def _same(given: Any, back: Any, path: str) -> None:
             _same(a, b, f"{path}[{i}]")
     elif given != back:
         raise ModelError(f"{path}: {given!r} reads back as {back!r}")
+
+
+def main(argv: list[str]) -> int:
+    import yaml
+    for doc in yaml.safe_load_all(Path(argv[0]).read_text()):
+        check = validate_keda if doc.get("apiVersion", "").startswith("keda.sh/") \
+            else validate_kserve
+        try:
+            check(doc)
+            print(f"ok {doc.get('kind')}")
+        except ModelError as e:
+            print(f"error {doc.get('kind')}: " + str(e).replace("\n", " "))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

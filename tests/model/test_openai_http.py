@@ -62,8 +62,9 @@ def server(chat_plan, tmp_path_factory):
     s = HttpServer(chat_plan, "--auth-token", TOKEN, "--drain-seconds", "5", log_path=log)
     try:
         yield s.wait_serving()
-    finally:
-        assert s.terminate() == 0, s.log()
+    finally:   # test_draining_is_503_last stops it and checks its exit code (0, or 3)
+        stopped = s.proc.poll() is not None
+        assert s.terminate() == 0 or stopped, s.log()
 
 
 def native(server, prompt, max_tokens, chat=False) -> str:

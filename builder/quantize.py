@@ -348,7 +348,8 @@ def _lm_head(model: nn.Module, keep: tuple[str, ...]) -> Optional[nn.Linear]:
     out = getattr(model, "output", None)
     if out is None:
         emb = model.tok_embeddings.weight
-        out = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
+        with torch.device("meta"):     # no initialized [vocab, hidden] weight to throw away
+            out = nn.Linear(emb.shape[1], emb.shape[0], bias=False)
         out.weight = emb
     return out
 

@@ -22,7 +22,27 @@ from torch import nn
 from kiln.builder import quantize as q
 from kiln.contracts import FieldError
 from kiln.contracts.manifest import QuantizationRecord
+from kiln.plugins.quant import formats
 from kiln.plugins.quant.modules import QuantEmbedding
+
+
+EMBEDDING_ROWS = 8192     # rows of the embedding quantized at a time
+
+
+def embedding_by_rows(w: torch.Tensor, scheme: str, rows: int = EMBEDDING_ROWS
+                      ) -> QuantEmbedding:
+    """QuantEmbedding.from_embedding's table, made `rows` rows at a time into preallocated
+    buffers: each row's format depends on that row alone (int8: one scale per row), so the
+    result is the same, without whole-table float temporaries (128K x 2048: 1 GB each)."""
+    first = formats.quantize(w[:rows], scheme)
+    q = torch.empty((w.shape[0], w.shape[1]), dtype=first.qweight.dtype)
+    s = None if first.scales is None else torch.empty(w.shape[0], dtype=first.scales.dtype)
+    for i in range(0, w.shape[0], rows):
+        part = first if i == 0 else formats.quantize(w[i:i + rows], scheme)
+        q[i:i + rows] = part.qweight
+        if s is not None:
+            s[i:i + rows] = part.scales
+    return QuantEmbedding(q, s)
 
 
 class _StreamQuantizer:
@@ -76,7 +96,7 @@ class _StreamQuantizer:
                 self._tied_head(model)
             return
         emb = model.tok_embeddings
-        self.qemb = QuantEmbedding.from_embedding(emb, self.scheme.embedding)
+        self.qemb = embedding_by_rows(emb.weight.detach(), self.scheme.embedding)
         self.done.bytes_before += q._nbytes([emb.weight])
         self.done.bytes_after += q._nbytes(self.qemb.buffers())
         if self.tied:

@@ -41,4 +41,6 @@ def build_mapped(plan: Iterable, read: Callable[[str], torch.Tensor], config: De
             raise
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from None
-        yield m.target, t.to(dtype)
+        t = t.to(dtype)      # the source's copy (bf16 ...) goes now, not after the next one
+        yield m.target, t
+        del t                # before the next tensor is read

@@ -52,3 +52,16 @@ def test_streamed_load_still_names_a_missing_tensor():
     ckpt._stream = lambda dtype: ((n, t) for n, t in full(dtype) if "w2" not in n)
     with pytest.raises(CheckpointError, match=r"missing tensors: layers\.0\.feed_forward\.w2"):
         load_quantized(ckpt, "int4", None, (), "int8", "cpu")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "bf16", "fp32"])
+def test_embedding_by_rows_equals_the_whole_table(scheme):
+    from kiln.builder.streaming import embedding_by_rows
+    from kiln.plugins.quant.modules import QuantEmbedding
+
+    w = torch.randn(100, 24) * torch.linspace(0.1, 3, 100)[:, None]
+    whole = QuantEmbedding.from_embedding(torch.nn.Embedding.from_pretrained(w), scheme)
+    rows = embedding_by_rows(w, scheme, rows=7)
+    assert torch.equal(rows.qweight, whole.qweight)
+    assert (rows.scales is None and whole.scales is None) or torch.equal(rows.scales,
+                                                                         whole.scales)

@@ -100,6 +100,28 @@ def test_truncated_safetensors(tmp_path):
         _open(d)
 
 
+def test_shard_truncated_after_it_was_opened(tmp_path):
+    """The tensors are read with plain file reads: a short read names the shard and the
+    tensor, as a truncated file at open does."""
+    d = _write_hf(tmp_path / "t")
+    ckpt = _open(d)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read tensor "
+                       r"\S+: \d+ of \d+ bytes \(truncated file\?\)"):
+        load_model(ckpt)
+
+
+def test_hf_tensors_equal_safetensors_own_reader(tmp_path):
+    from safetensors.torch import load_file
+
+    d = _write_hf(tmp_path / "r")
+    want = load_file(str(d / "model.safetensors"))
+    got = dict(_open(d).tensors(torch.float32))
+    assert torch.equal(got["layers.0.attention.wo.weight"],
+                       want["model.layers.0.self_attn.o_proj.weight"].float())
+
+
 def test_shard_missing_from_index(tmp_path):
     d = _write_hf(tmp_path / "i")
     (d / "model.safetensors.index.json").write_text(json.dumps(

@@ -44,6 +44,8 @@ class _EngineCollector:
             "kiln_kv_blocks_cached": ("free KV blocks holding a reusable prefix",
                                       s["kv_blocks_cached"]),
             "kiln_kv_blocks_total": ("KV cache blocks in the pool", s["kv_blocks_total"]),
+            "kiln_kv_cache_usage_ratio": ("KV cache blocks in use / blocks in the pool (0 to 1)",
+                                          s["kv_blocks_used"] / max(s["kv_blocks_total"], 1)),
             "kiln_prefix_cache_hit_rate": ("prompt tokens served from the prefix cache / "
                                            "prompt tokens looked up", s["prefix_cache_hit_rate"]),
         }

@@ -112,9 +112,10 @@ def default_values(manifest: PlanManifest, sizing: DeploySizing) -> dict:
         },
         "kserve": {"enabled": False},
         # the Gateway API Inference Extension's endpoint picker reads these metric names
+        # (gauges: queued requests, running requests, KV-cache utilisation from 0 to 1)
         "inferenceExtension": {"queueMetric": "kiln_queue_length",
-                               "kvUsedMetric": "kiln_kv_blocks_used",
-                               "kvTotalMetric": "kiln_kv_blocks_total"},
+                               "runningMetric": "kiln_running_requests",
+                               "kvCacheUsageMetric": "kiln_kv_cache_usage_ratio"},
     }
 
 

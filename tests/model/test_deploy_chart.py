@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -191,6 +192,12 @@ def test_rendered_container_serves_the_packaged_plan(tiny_plan, chart, tmp_path)
                 budget = c[probe]["periodSeconds"] * c[probe]["failureThreshold"]
                 assert _wait_serving(stub, service, proc, max(budget, 120)), (
                     probe, (tmp_path / "serve.log").read_text()[-3000:])
+        # the endpoint picker's metric names (values.yaml) are gauges the server exposes
+        names = yaml.safe_load((chart / "values.yaml").read_text())["inferenceExtension"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{ports['metrics']}/metrics",
+                                      timeout=10).read().decode()
+        for metric in names.values():
+            assert f"# TYPE {metric} gauge" in text, metric
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(pod["terminationGracePeriodSeconds"]) == 0
     finally:

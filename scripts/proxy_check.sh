@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-PLAN=${1:-plans/smollm2-135m-int8-cpu}
+PLAN=${1:-plans/smollm2-135m-throughput-cpu}
 shift || true
 if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ]; then
   echo "error: nginx is not installed (scripts/setup.sh installs it as root:" \

@@ -15,7 +15,7 @@ from kiln.runtime.server.proto import kiln_pb2_grpc as pb_grpc
 
 _OPTIONAL = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p",
              "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
-             "skip_special_tokens", "max_draft_tokens")
+             "skip_special_tokens", "max_draft_tokens", "adapter")
 
 
 def sampling_params(p: pb.SamplingParams) -> SamplingParams:

@@ -75,6 +75,26 @@ def test_kserve_lora_name_selects_the_adapter(server):
         infer("nope")
 
 
+def test_kiln_v1_adapter_field_selects_the_adapter(server):
+    import grpc
+
+    from kiln.runtime.server.proto import kiln_pb2 as pb, kiln_pb2_grpc as pb_grpc
+
+    def text(adapter=None):
+        sp = pb.SamplingParams(max_tokens=10, temperature=0, adapter=adapter)
+        with grpc.insecure_channel(server.url) as ch:
+            chunks = pb_grpc.KilnStub(ch).Generate(pb.GenerateRequest(prompt="abc",
+                                                                      sampling=sp))
+            return "".join(c.text for c in chunks)
+
+    openai = httpx.post(server.base + "/v1/completions", timeout=60, json={
+        "model": "qv8", "prompt": "abc", "max_tokens": 10, "temperature": 0})
+    assert text("qv8") == openai.json()["choices"][0]["text"] != text()
+    with pytest.raises(grpc.RpcError) as e:
+        text("nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_an_unknown_model_is_a_404_never_the_base(server):
     r = _complete(server, "all4")             # made, but not loaded
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"

@@ -277,6 +277,18 @@ class KServeService(pb_grpc.GRPCInferenceServiceServicer):
         if version not in ("", "1"):
             raise not_found(f"model {name!r} has no version {version!r}; it has version 1")
 
+    async def RepositoryIndex(self, request, context):
+        """The served model, then a plan's LoRA adapters (selected with input lora_name)."""
+        res = pb.RepositoryIndexResponse()
+        state = "READY" if self.fe.ready else "UNAVAILABLE"
+        res.models.add(name=self.fe.model_name, version="1", state=state)
+        engine = self.fe.engine
+        for name in ([] if engine is None or engine.adapters is None
+                     else engine.adapters.names()):
+            res.models.add(name=name, version="1", state=state, reason=f"LoRA adapter of "
+                           f"{self.fe.model_name}: input lora_name={name} selects it")
+        return res
+
     async def ModelReady(self, request, context):
         await self._guard(context, self._model, request.name, request.version)
         return pb.ModelReadyResponse(ready=self.fe.ready)

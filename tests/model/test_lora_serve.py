@@ -68,6 +68,9 @@ def test_kserve_lora_name_selects_the_adapter(server):
             ins.append(t)
         return text_of(tc.InferenceServerClient(server.url).infer(MODEL, ins))
 
+    index = tc.InferenceServerClient(server.url).get_model_repository_index().models
+    assert [(m.name, m.state) for m in index] == [(MODEL, "READY"), ("mlp16", "READY"),
+                                                  ("qv8", "READY")]
     openai = httpx.post(server.base + "/v1/completions", timeout=60, json={
         "model": "mlp16", "prompt": "abc", "max_tokens": 10, "temperature": 0})
     assert infer("mlp16") == openai.json()["choices"][0]["text"] != infer(None)

@@ -61,16 +61,21 @@ def reference_key(weights_digest: str, text_sha: str, n_tokens: int, window: int
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+def _cache_file(ckpt, ids: list[int], window: int, text_sha: str) -> Path:
+    """Where the reference result of these tokens on this checkpoint is cached."""
+    weights = ckpt.weights_digest
+    if ckpt.config.longrope is not None:   # the same weights give two models (for_max_seq_len)
+        weights += ":longrope-" + ("long" if ckpt.config.longrope.long else "short")
+    key = reference_key(weights, text_sha, len(ids), window, ckpt.tokenizer_json)
+    return cache_dir() / f"{key}.json"
+
+
 def reference(ckpt, ids: list[int], window: int, text_sha: str,
               model: Optional[torch.nn.Module] = None) -> tuple[racc.EvalResult, bool]:
     """The unquantized (eager fp32) result on ids, from the cache or computed; (result, cached).
 
     `model`: an fp32 model of ckpt not yet quantized (saves loading one)."""
-    weights = ckpt.weights_digest
-    if ckpt.config.longrope is not None:   # the same weights give two models (for_max_seq_len)
-        weights += ":longrope-" + ("long" if ckpt.config.longrope.long else "short")
-    key = reference_key(weights, text_sha, len(ids), window, ckpt.tokenizer_json)
-    path = cache_dir() / f"{key}.json"
+    path = _cache_file(ckpt, ids, window, text_sha)
     try:
         d = json.loads(path.read_text())
         return racc.EvalResult(d["nll_sum"], d["count"], d["top1"]), True
@@ -108,6 +113,10 @@ class Gate:
         self.ckpt = ckpt
         self.ref: Optional[racc.EvalResult] = None
         self.ref_cached = False
+
+    def reference_cached(self) -> bool:
+        """Whether the reference is in the cache (computing it needs the float32 model)."""
+        return _cache_file(self.ckpt, self.ids, self.window, self.text_sha).is_file()
 
     def compute_reference(self, model=None) -> None:
         self.ref, self.ref_cached = reference(self.ckpt, self.ids, self.window, self.text_sha,

@@ -154,7 +154,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         manifest = read_manifest(out)
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
-    if (too_big := build_refusal(spec, ckpt.config, max_memory)) is not None:
+    if (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # before any weight is read
     out.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(out)

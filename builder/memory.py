@@ -1,8 +1,8 @@
 """The builder's memory: what it has used (peak RSS) and what a build will need.
 
-    peak_rss_bytes()                 the process's high-water resident set so far
-    estimate(ckpt, spec, streaming)  -> MemoryEstimate   from the tensor index alone
-    check_fits(estimate, available)  BuildError-free check: the refusal message, or None
+    peak_rss_bytes()                              the process's peak resident set so far
+    estimate(config, weights, keep, whole_fp32)   -> MemoryEstimate, from shapes alone
+    build_refusal(spec, ckpt, max_memory)         the refusal of a build that cannot fit
 
 The estimate reads only shapes (the family's parameter shapes, which the source's tensor
 index was checked against when the checkpoint was opened): no weight is read.
@@ -17,19 +17,22 @@ from typing import Optional
 GiB = 1 << 30
 MAX_MEMORY_ENV = "KILN_BUILD_MAX_MEMORY"
 
-# Builder peak RSS, measured with `kiln build` (VmHWM at the end of the build) on random
-# llama checkpoints on the AVX2 build host, W4A8 + int8 KV, accuracy gate on:
-#   tiny   (0.9M params, fp32 3.6 MB):   peak 0.9 GiB  -> the fixed part: torch, the
-#                                        compiler and the evaluation's activations
-#   medium (0.19 GB params, fp32 0.76 GB): see bench/scale.py `measure`
-#   1B     (1.24 B params, fp32 4.94 GB): peak 7.9 GB = 1.6 x fp32 (most of it the fp32 model
-#                                        the accuracy reference runs, plus the plan's packed
-#                                        weights and the compile's copies)
-# Loading every tensor in fp32 before quantizing holds the whole fp32 model; the streaming
-# load (builder/streaming.py) holds the packed weights plus one fp32 tensor at a time.
-FIXED_BYTES = 1 * GiB            # torch + inductor + evaluation activations
-FULL_FP32_FACTOR = 1.6           # x fp32 weight bytes, when the fp32 model is held whole
-STREAMED_PLAN_FACTOR = 2.0       # x plan bytes: packed weights + the compile's copy of them
+# The builder's peak RSS model, from VmHWM measured on this AVX2 host with a Llama-3.2-1B-
+# shaped random checkpoint (1.24 B params, fp32 4.60 GiB, bf16 safetensors in 2 shards;
+# `python -m bench.scale make/load --shape 1b`), W4A8 + int8 KV (plan weights 0.81 GiB), and
+# the tiny test model (0.1 M params: a build peaks at 0.56 GiB, all of it the fixed part):
+#   whole fp32 model loaded, then quantize_model             7.01 GiB = 0.35 + 1.45 x fp32
+#   the accuracy reference (eager fp32 model, not cached)     5.48 GiB = fp32 + 0.88
+#   streaming load + quantize (builder/streaming.py)          1.93 GiB = plan + 0.35 + the
+#                                                             largest tensor (embedding) in
+#                                                             fp32 and bf16 at once
+#   compile + check + gate of the streamed model              see COMPILE_PLAN_FACTOR
+# So: peak = FIXED + max(what holds the fp32 model, what holds the packed one).
+FIXED_BYTES = 1 * GiB            # torch + kiln (0.35 GiB) + evaluation activations, rounded up
+WHOLE_FP32_FACTOR = 1.45         # x fp32 bytes: load the fp32 model whole, then quantize it
+REFERENCE_FP32_FACTOR = 1.0      # x fp32 bytes: the eager reference's model
+COMPILE_PLAN_FACTOR = 2.0        # x plan bytes: the packed model + AOTInductor's copy of it
+LARGEST_TENSOR_FACTOR = 1.5      # x the largest tensor's fp32 bytes (+ its bf16 source copy)
 
 # Bytes per parameter of a quantized linear at each precision.weights: the packed values plus
 # their scales (int4: a float16 scale and minimum per group of 32 in the W4A8 format; int8:
@@ -73,35 +76,45 @@ class MemoryEstimate:
     params: int              # parameters of the model (fused tensors counted once)
     fp32_bytes: int          # the weights in float32 (how the builder computes on them)
     plan_bytes: int          # the plan's weights at the spec's precision (approximate)
+    largest_bytes: int       # the largest tensor in float32 (held whole while it is packed)
     peak_bytes: int          # the builder's expected peak RSS
-    streaming: bool          # the estimate is for the streaming load
+    why: str                 # what sets the peak
 
     def describe(self) -> str:
-        how = (f"{STREAMED_PLAN_FACTOR:g} x plan" if self.streaming
-               else f"{FULL_FP32_FACTOR:g} x fp32 weights")
         return (f"needs ~{gib(self.peak_bytes)}: {self.params / 1e9:.2f} B parameters, "
                 f"weights {gib(self.fp32_bytes)} fp32, plan ~{gib(self.plan_bytes)}; "
-                f"peak = {how} + {gib(FIXED_BYTES)} fixed")
+                f"peak = {self.why} + {gib(FIXED_BYTES)} fixed")
 
 
-def estimate(config, weights: str, keep: tuple[str, ...], streaming: bool) -> MemoryEstimate:
+def estimate(config, weights: str, keep: tuple[str, ...], whole_fp32: str = ""
+             ) -> MemoryEstimate:
     """The estimate for a model config (DecoderConfig) at precision.weights with
-    keep_high_precision `keep`; `streaming`: quantized as loaded, no full fp32 model."""
+    keep_high_precision `keep`. whole_fp32: "" when the weights stream (builder/streaming.py)
+    and nothing needs the fp32 model; "reference" when the gate's reference runs it;
+    "quantize" when it is loaded whole and quantized (calibration)."""
     from kiln.builder.arch.families import param_shapes
 
-    shapes = param_shapes(config)
-    params = plan = 0
+    params = plan = largest = 0
     per = _BYTES_PER_PARAM.get(weights, 4.0)
-    for name, shape in shapes.items():
+    for name, shape in param_shapes(config).items():
         n = 1
         for d in shape:
             n *= int(d)
         params += n
+        largest = max(largest, 4 * n)
         plan += int(n * _param_bytes(name, len(shape), weights, per, keep))
     fp32 = params * 4
-    peak = FIXED_BYTES + int(STREAMED_PLAN_FACTOR * plan if streaming
-                             else FULL_FP32_FACTOR * fp32)
-    return MemoryEstimate(params, fp32, plan, peak, streaming)
+    parts = {f"{COMPILE_PLAN_FACTOR:g} x plan (compile)": COMPILE_PLAN_FACTOR * plan,
+             f"plan + {LARGEST_TENSOR_FACTOR:g} x largest fp32 tensor (streamed load)":
+                 plan + LARGEST_TENSOR_FACTOR * largest}
+    if whole_fp32 == "reference":
+        parts[f"{REFERENCE_FP32_FACTOR:g} x fp32 (the accuracy reference's model)"] = \
+            REFERENCE_FP32_FACTOR * fp32
+    elif whole_fp32:
+        parts[f"{WHOLE_FP32_FACTOR:g} x fp32 (whole model loaded, then quantized)"] = \
+            WHOLE_FP32_FACTOR * fp32
+    why, top = max(parts.items(), key=lambda kv: kv[1])
+    return MemoryEstimate(params, fp32, plan, largest, FIXED_BYTES + int(top), why)
 
 
 def _param_bytes(name: str, ndim: int, weights: str, per: float,
@@ -152,16 +165,21 @@ def refusal(est: MemoryEstimate, available: Optional[int], source: str) -> Optio
             f"set --max-memory / {MAX_MEMORY_ENV} to build anyway")
 
 
-def build_refusal(spec, config, max_memory: Optional[int] = None) -> Optional[str]:
-    """The refusal of a build of `spec` on a model of `config` that cannot fit in the
-    memory it may use (max_memory, else $KILN_BUILD_MAX_MEMORY, else MemAvailable); None when
-    it fits. A gated plan whose reference runs the float32 model counts the whole model."""
+def build_refusal(spec, ckpt, max_memory: Optional[int] = None) -> Optional[str]:
+    """The refusal of a build of `spec` on checkpoint `ckpt` that cannot fit in the memory it
+    may use (max_memory, else $KILN_BUILD_MAX_MEMORY, else MemAvailable); None when it
+    fits. The fp32 model counts whole where the build needs it: calibration, or a gated plan
+    whose reference is not cached."""
     from kiln.builder.streaming import streams
 
     p = spec.precision
     keep = () if p.weights in ("bf16", "fp32") else tuple(p.keep_high_precision)
-    streamed = streams(spec) and spec.max_ppl_increase is None
-    est = estimate(config, p.weights, keep, streamed)
+    whole = "quantize" if not streams(spec) else ""
+    if not whole and spec.max_ppl_increase is not None:
+        from kiln.builder.accuracy_reference import Gate
+
+        whole = "" if Gate(spec, ckpt).reference_cached() else "reference"
+    est = estimate(ckpt.config, p.weights, keep, whole)
     try:
         limit = max_memory_override(max_memory)
     except ValueError as e:          # a bad $KILN_BUILD_MAX_MEMORY: refused, naming it

@@ -69,3 +69,17 @@ def test_cli_max_memory_and_env(tiny_spec_path, tmp_path):
     r = subprocess.run(cmd + ["--max-memory", "lots"], capture_output=True, text=True)
     assert r.returncode == 2 and "--max-memory='lots'" in r.stderr
     assert not (tmp_path / "p").exists()
+
+
+def test_an_uncached_reference_counts_the_fp32_model(tmp_path, monkeypatch):
+    from kiln.builder.memory import build_refusal
+    from kiln.builder.sources import open_checkpoint
+    from kiln.builder.spec import parse_spec
+    from tests.helpers import TINY_SPEC
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # no cached reference
+    spec = parse_spec(TINY_SPEC + "precision: {weights: int8}\n")
+    ckpt = open_checkpoint(spec.model)
+    assert "the accuracy reference's model" in build_refusal(spec, ckpt, 1)
+    fp32 = parse_spec(TINY_SPEC)                                  # not gated: streamed
+    assert "the accuracy reference's model" not in build_refusal(fp32, ckpt, 1)

@@ -54,22 +54,29 @@ def _llama_1b_config():
 
 
 def test_estimate_from_shapes_of_a_1b_model():
-    est = memory.estimate(_llama_1b_config(), "int4", ("lm_head",), streaming=False)
+    cfg = _llama_1b_config()
+    est = memory.estimate(cfg, "int4", ("lm_head",), "quantize")
     assert 1.23e9 < est.params < 1.25e9              # Llama-3.2-1B: 1.236 B
     assert est.fp32_bytes == 4 * est.params
     # W4A8: int4 linears with group scales (0.97 B params), int8 embedding (0.26 B)
     assert 0.8e9 < est.plan_bytes < 0.95e9
-    assert est.peak_bytes > est.fp32_bytes
-    streamed = memory.estimate(_llama_1b_config(), "int4", ("lm_head",), streaming=True)
-    assert streamed.plan_bytes == est.plan_bytes and streamed.peak_bytes < est.peak_bytes
+    assert est.largest_bytes == 128256 * 2048 * 4    # the embedding
+    assert est.peak_bytes == memory.FIXED_BYTES + int(memory.WHOLE_FP32_FACTOR
+                                                       * est.fp32_bytes)
+    ref = memory.estimate(cfg, "int4", ("lm_head",), "reference")
+    streamed = memory.estimate(cfg, "int4", ("lm_head",))
+    assert streamed.plan_bytes == est.plan_bytes
+    assert streamed.peak_bytes < ref.peak_bytes < est.peak_bytes
+    assert "accuracy reference" in ref.why and "streamed load" in streamed.why
 
 
 def test_refusal_gives_the_arithmetic():
-    est = memory.estimate(_llama_1b_config(), "int4", (), streaming=False)
+    est = memory.estimate(_llama_1b_config(), "int4", (), "quantize")
     msg = memory.refusal(est, 2 << 30, "--max-memory")
     assert msg.startswith(f"this checkpoint is larger than this machine can build: needs "
                           f"~{memory.gib(est.peak_bytes)}")
-    assert "1.24 B parameters, weights 4.60 GiB fp32" in msg
+    assert "1.24 B parameters, weights 4.60 GiB fp32, plan ~0.8" in msg
+    assert "peak = 1.45 x fp32 (whole model loaded, then quantized) + 1.00 GiB fixed" in msg
     assert "2.00 GiB available (--max-memory)" in msg
     assert memory.refusal(est, est.peak_bytes, "x") is None
     assert memory.refusal(est, None, "x") is None

@@ -103,3 +103,21 @@ def load_library(path: Path) -> None:
 def _global(path: Path) -> None:
     """dlopen with RTLD_GLOBAL (a library already loaded locally is promoted)."""
     ctypes.CDLL(os.path.realpath(path), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+
+
+class KernelLibrary:
+    """A plugin's C++ kernel library: `build(level)` compiles it (cached), `load(path)` loads
+    a copy of it (default: this machine's build) into the process."""
+
+    def __init__(self, name: str, sources: list[Path]):
+        self.name, self.sources = name, list(sources)
+
+    def build(self, level: cpu_isa.IsaLevel | None = None, verbose: bool = False) -> Path:
+        """Compile for an ISA level (default: this machine's); returns the library's path."""
+        return build_library(self.name, self.sources, level, verbose=verbose)
+
+    def load(self, path: Path | None = None) -> Path:
+        """Load a kernel library (default: `build()`'s) into this process, once."""
+        lib = self.build() if path is None else Path(path)
+        load_library(lib)
+        return lib

@@ -1,6 +1,7 @@
 """The quant plugin's linear kernels side by side on SmolLM2's shapes (docs/PERFORMANCE.md).
 
     python bench/linear_kernels.py [--threads 1] [--rows 1 4 32 64 128 512] [--isa avx2]
+        [--shapes 49152x576 ...] [--no-streaming]
 
 W4A8 (kiln::linear_int4_a8) vs W8A8 (kiln::linear_int8_a8: own GEMV below 4 rows, oneDNN's
 _int_mm from 4) per shape and number of rows of x, weights in cache (one matrix, timed
@@ -44,14 +45,20 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 64, 128, 512])
     ap.add_argument("--isa", default=None, help="compile the kernels for this target.isa "
                     "level (default: this machine's), e.g. avx2 for an AVX2-only fleet's code")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="NxK",
+                    help="weight shapes (default: SmolLM2's w13 w2 wqkv wo; its tied lm_head "
+                    "is 49152x576)")
+    ap.add_argument("--no-streaming", action="store_true", help="only the in-cache table")
     args = ap.parse_args()
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.lower().split("x"))
+                                                 for s in args.shapes]
     lib = kernels.load(kernels.build(isa.level(args.isa)) if args.isa else None)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     print(f"{args.threads} thread(s); kernels for {args.isa or 'this machine'}: "
           f"{kernel_path(lib)}; weights in cache; best of 7")
     print(f"{'shape':>10} {'rows':>5} {'W8A8 us':>9} {'W4A8 us':>9} {'W4A8 speed-up':>14}")
-    for n, k in SHAPES:
+    for n, k in shapes:
         w = torch.randn(n, k, generator=g)
         q8, q4 = formats.quantize(w, "int8"), formats.quantize(w, "int4_a8")
         for m in args.rows:
@@ -60,6 +67,8 @@ def main() -> None:
             a = best_us(lambda: ops.quant_linear(x, q8, None, activations="int8"), reps)
             b = best_us(lambda: ops.quant_linear(x, q4, None, activations="int8"), reps)
             print(f"{n:>5}x{k:<4} {m:>5} {a:9.1f} {b:9.1f} {a / b:13.2f}x")
+    if args.no_streaming:
+        return
 
     layers = 30
     ws = [torch.randn(3072, 576, generator=g) for _ in range(layers)]

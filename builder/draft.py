@@ -61,6 +61,19 @@ def check_draft(spec: Spec, spec_path, ckpt, target: TargetSection,
                        path=os.path.relpath(path.resolve(), out.resolve()))
 
 
+def draft_now(spec: Spec, spec_path) -> Optional[DraftRecord]:
+    """The spec's draft plan as it is now, read without loading it (kiln ci's assessment
+    fingerprints a spec this way); None without one. SpecError when it is not a plan."""
+    path = draft_dir(spec, spec_path)
+    if path is None:
+        return None
+    try:
+        m = PlanManifest.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise SpecError(spec.name, [(FIELD, f"{path} is not a readable plan: {e}")]) from None
+    return DraftRecord(name=m.name, fingerprint=m.fingerprint, path=str(path))
+
+
 def draft_current(spec: Spec, spec_path, manifest: PlanManifest) -> bool:
     """Whether the draft plan a built plan recorded is still the spec's draft (torch-free:
     part of the quick up-to-date check). True for a spec without a draft."""

@@ -70,7 +70,7 @@ def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
         a.action, a.reason, a.fingerprint = REUSE, _unchanged(ptr), ptr.fingerprint
         return a
 
-    fp, inputs, error = _fingerprint(spec)
+    fp, inputs, error = _fingerprint(spec, spec_path)
     if error:
         a.action, a.reason, a.error = FAIL, "cannot fingerprint", error
         return a
@@ -99,15 +99,18 @@ def _unchanged(ptr) -> str:
     return "unchanged"
 
 
-def _fingerprint(spec: Spec) -> tuple[Optional[str], Optional[dict], Optional[str]]:
-    """(fingerprint, inputs, None) or (None, None, message). Imports torch."""
+def _fingerprint(spec: Spec, spec_path: Path
+                 ) -> tuple[Optional[str], Optional[dict], Optional[str]]:
+    """(fingerprint, inputs, None) or (None, None, message), as the build computes them (a
+    draft plan's fingerprint included). Imports torch."""
     from kiln.builder.build import check_spec_against_model, plan_fingerprint
+    from kiln.builder.draft import draft_now
     from kiln.builder.sources import CheckpointError, open_checkpoint
 
     try:
         ckpt = open_checkpoint(spec.model)
         check_spec_against_model(spec, ckpt.config)
-        fp, inputs = plan_fingerprint(spec, ckpt)
+        fp, inputs = plan_fingerprint(spec, ckpt, draft=draft_now(spec, spec_path))
     except (SpecError, CheckpointError) as e:
         return None, None, str(e)
     except Exception as e:  # an unreadable checkpoint can fail in many ways

@@ -90,6 +90,15 @@ def test_rebuilt_draft_makes_the_target_stale(target_plan, tmp_path):
     assert not draft_current(load_spec(_target_spec(tmp_path, other)), spec_path, m)
 
 
+def test_kiln_ci_fingerprints_the_draft_as_the_build_does(target_plan, draft_plan, tmp_path):
+    from kiln.builder.plan_ci.assess import _fingerprint
+
+    spec_path = _target_spec(tmp_path, draft_plan)
+    fp, inputs, error = _fingerprint(load_spec(spec_path), spec_path)
+    assert error is None and inputs["draft"] == read_manifest(draft_plan).fingerprint
+    assert fp == read_manifest(target_plan).fingerprint
+
+
 def _refused(spec_path, *needles):
     with pytest.raises(SpecError) as e:
         build(spec_path, spec_path.parent / "out", progress=QUIET)

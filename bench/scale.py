@@ -1,0 +1,160 @@
+"""Real-size models: random-weight Llama checkpoints at real shapes, and what building them
+costs (not a test).
+
+    python -m bench.scale make --shape 1b [--dir ~/.cache/kiln/scale] [--seed 0]
+    python -m bench.scale load --shape 1b --how streamed|whole [--spec SPEC]
+
+`make` writes a Hugging Face checkpoint directory (config.json, tokenizer.json, bf16
+safetensors in two shards with model.safetensors.index.json, as real checkpoints are sharded)
+at the shape of Llama 3.2 1B / 3B or Llama 3.1 8B, weights ~ N(0, 0.02) from one seeded
+generator (norms 1 + N(0, 0.02)); an existing complete directory is kept.
+
+`load` runs the builder's load + quantize stages alone on it (W4A8 + int8 KV: the throughput
+spec's precision) in this process, either the streaming load (builder/streaming.py) or the
+whole float32 model then quantize_model, and prints seconds, the packed bytes and the peak
+RSS (VmHWM) after loading and after quantizing. One process per measurement: VmHWM only grows.
+Measured: bench/results/scale_1b_memory.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {   # Llama 3.2 1B / 3B and Llama 3.1 8B config.json fields
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+               tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+               num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               tie_word_embeddings=False),
+}
+COMMON = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+              max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+              bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
+              torch_dtype="bfloat16")
+DEFAULT_DIR = Path.home() / ".cache" / "kiln" / "scale"
+
+
+def hf_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape for a llama config, in checkpoint order."""
+    h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    out = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out.update({p + "input_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "post_attention_layernorm.weight": (h,),
+                    p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                    p + "mlp.down_proj.weight": (h, i)})
+    out["model.norm.weight"] = (h,)
+    if not cfg["tie_word_embeddings"]:
+        out["lm_head.weight"] = (cfg["vocab_size"], h)
+    return out
+
+
+def make(shape: str, root: Path, seed: int = 0, shards: int = 2) -> Path:
+    """The checkpoint directory of `shape` under root (written once; seeded)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kiln.builder.sources.tokenizer_build import byte_level
+
+    d = root / f"llama-{shape}-random-seed{seed}"
+    if (d / "model.safetensors.index.json").is_file():
+        return d
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = dict(COMMON, **SHAPES[shape])
+    shapes = hf_shapes(cfg)
+    names = list(shapes)
+    per = -(-len(names) // shards)
+    g = torch.Generator().manual_seed(seed)
+    weight_map, total = {}, 0
+    for s in range(shards):
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {}
+        for n in names[s * per:(s + 1) * per]:
+            t = torch.randn(shapes[n], generator=g) * 0.02
+            if n.endswith("norm.weight"):
+                t += 1.0
+            part[n] = t.to(torch.bfloat16)
+            weight_map[n] = fname
+            total += t.numel() * 2
+            del t
+        save_file(part, str(d / fname), metadata={"format": "pt"})
+        del part
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "tokenizer.json").write_text(byte_level(cfg["vocab_size"], cfg["bos_token_id"],
+                                                 cfg["eos_token_id"]))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return d
+
+
+def load(shape: str, root: Path, how: str, spec_path: str | None) -> dict:
+    """The load + quantize stages alone -> seconds, packed bytes, peak RSS after each."""
+    import torch
+
+    from kiln.builder.memory import gib, peak_rss_bytes
+    from kiln.builder.sources import open_checkpoint
+    from kiln.builder.spec import load_spec
+
+    spec = load_spec(spec_path or "model_specs/smollm2-135m-throughput-cpu.yaml")
+    ckpt = open_checkpoint(spec.model.model_copy(update={"source": str(make(shape, root))}))
+    p = spec.precision
+    keep = () if p.weights in ("bf16", "fp32") else p.keep_high_precision
+    acts = "int8" if p.activations == "int8" else "float"
+    t0 = time.perf_counter()
+    if how == "streamed":
+        from kiln.builder.streaming import load_quantized
+
+        model, rec = load_quantized(ckpt, p.weights, p.group_size, keep, acts, "cpu")
+        t_load = t_quant = time.perf_counter() - t0
+        rss_load = rss_quant = peak_rss_bytes()
+    else:
+        from kiln.builder.quantize import quantize_model
+        from kiln.builder.sources import load_model
+
+        model = load_model(ckpt, dtype=torch.float32)
+        t_load, rss_load = time.perf_counter() - t0, peak_rss_bytes()
+        rec = quantize_model(model, p.weights, group_size=p.group_size,
+                             keep_high_precision=keep, activations=acts)
+        t_quant, rss_quant = time.perf_counter() - t0, peak_rss_bytes()
+    held = sum(t.numel() * t.element_size()
+               for t in list(model.parameters()) + list(model.buffers()))
+    return dict(shape=shape, how=how, weights=p.weights, activations=acts,
+                params=ckpt.config.num_parameters, bytes_after=rec.bytes_after,
+                model_bytes=held, seconds_load=round(t_load, 1),
+                seconds_load_quantize=round(t_quant, 1), peak_rss_after_load=gib(rss_load),
+                peak_rss_after_quantize=gib(rss_quant), threads=torch.get_num_threads())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("command", choices=["make", "load"])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--how", choices=["streamed", "whole"], default="streamed")
+    ap.add_argument("--spec", default=None, help="spec whose precision is used (default: "
+                    "the SmolLM2 throughput spec's, W4A8 + int8 KV)")
+    a = ap.parse_args(argv)
+    if a.command == "make":
+        t0 = time.perf_counter()
+        d = make(a.shape, a.dir, a.seed)
+        size = sum(f.stat().st_size for f in d.iterdir())
+        print(f"{d}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f}s")
+    else:
+        print(json.dumps(load(a.shape, a.dir, a.how, a.spec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

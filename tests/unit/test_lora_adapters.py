@@ -158,3 +158,21 @@ def test_prefix_cache_never_shares_kv_between_adapters():
             out = s.schedule()
             s.update(out, StepOutput([7 if smp else None for smp in out.sample]))
         assert q.num_cached_tokens == {"x2": 8, "base2": 8}.get(rid, 0), rid
+
+
+def test_lora_spec_section_is_checked_and_the_example_spec_parses():
+    from kiln.builder.spec import SpecError, load_spec, parse_spec
+    from tests.conftest import ROOT
+
+    spec = load_spec(ROOT / "model_specs" / "smollm2-135m-lora-cpu.yaml")
+    assert spec.lora.max_adapters_per_batch == 8 and len(spec.lora.target_modules) == 7
+    base = (ROOT / "model_specs" / "tiny-random.yaml").read_text()
+    ok = parse_spec(base + "lora: {max_rank: 8, target_modules: [v_proj, q_proj]}\n")
+    assert ok.lora.target_modules == ("q_proj", "v_proj")       # the step's one order
+    assert "lora" in ok.canonical() and "lora" not in parse_spec(base).canonical()
+    for bad, match in [("{max_rank: 8, target_modules: [qkv]}", "'qkv' is not a LoRA target"),
+                       ("{max_rank: 0}", "max_rank"),
+                       ("{max_rank: 8, max_adapters_per_batch: 4, max_cpu_adapters: 2}",
+                        "max_cpu_adapters \\(2\\) must be at least")]:
+        with pytest.raises(SpecError, match=match):
+            parse_spec(base + f"lora: {bad}\n")

@@ -82,6 +82,7 @@ class MemoryEstimate:
     largest_bytes: int       # the largest tensor in float32 (held whole while it is packed)
     peak_bytes: int          # the builder's expected peak RSS
     why: str                 # what sets the peak
+    whole_fp32: str = ""     # what holds the whole fp32 model: "", reference or quantize
 
     def describe(self) -> str:
         return (f"needs ~{gib(self.peak_bytes)}: {self.params / 1e9:.2f} B parameters, "
@@ -118,7 +119,8 @@ def estimate(config, weights: str, keep: tuple[str, ...], whole_fp32: str = ""
         parts[f"{WHOLE_FP32_FACTOR:g} x fp32 (whole model loaded, then quantized)"] = \
             WHOLE_FP32_FACTOR * fp32
     why, top = max(parts.items(), key=lambda kv: kv[1])
-    return MemoryEstimate(params, fp32, plan, largest, FIXED_BYTES + int(top), why)
+    return MemoryEstimate(params, fp32, plan, largest, FIXED_BYTES + int(top), why,
+                          whole_fp32)
 
 
 def _param_bytes(name: str, ndim: int, weights: str, per: float,
@@ -169,11 +171,9 @@ def refusal(est: MemoryEstimate, available: Optional[int], source: str) -> Optio
             f"set --max-memory / {MAX_MEMORY_ENV} to build anyway")
 
 
-def build_refusal(spec, ckpt, max_memory: Optional[int] = None) -> Optional[str]:
-    """The refusal of a build of `spec` on checkpoint `ckpt` that cannot fit in the memory it
-    may use (max_memory, else $KILN_BUILD_MAX_MEMORY, else MemAvailable); None when it
-    fits. The fp32 model counts whole where the build needs it: calibration, or a gated plan
-    whose reference is not cached."""
+def build_estimate(spec, ckpt) -> MemoryEstimate:
+    """The estimate for a build of `spec` on checkpoint `ckpt`. The fp32 model counts whole
+    where the build needs it: calibration, or a gated plan whose reference is not cached."""
     from kiln.builder.streaming import streams
 
     p = spec.precision
@@ -183,7 +183,14 @@ def build_refusal(spec, ckpt, max_memory: Optional[int] = None) -> Optional[str]
         from kiln.builder.accuracy_reference import Gate
 
         whole = "" if Gate(spec, ckpt).reference_cached() else "reference"
-    est = estimate(ckpt.config, p.weights, keep, whole)
+    return estimate(ckpt.config, p.weights, keep, whole)
+
+
+def build_refusal(spec, ckpt, max_memory: Optional[int] = None) -> Optional[str]:
+    """The refusal of a build of `spec` on checkpoint `ckpt` that cannot fit in the memory it
+    may use (max_memory, else $KILN_BUILD_MAX_MEMORY, else MemAvailable); None when it
+    fits."""
+    est = build_estimate(spec, ckpt)
     try:
         limit = max_memory_override(max_memory)
     except ValueError as e:          # a bad $KILN_BUILD_MAX_MEMORY: refused, naming it

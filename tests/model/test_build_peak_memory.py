@@ -72,14 +72,17 @@ def test_cli_max_memory_and_env(tiny_spec_path, tmp_path):
 
 
 def test_an_uncached_reference_counts_the_fp32_model(tmp_path, monkeypatch):
-    from kiln.builder.memory import build_refusal
+    from kiln.builder.memory import FIXED_BYTES, build_estimate
     from kiln.builder.sources import open_checkpoint
     from kiln.builder.spec import parse_spec
     from tests.helpers import TINY_SPEC
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))          # no cached reference
-    spec = parse_spec(TINY_SPEC + "precision: {weights: int8}\n")
-    ckpt = open_checkpoint(spec.model)
-    assert "the accuracy reference's model" in build_refusal(spec, ckpt, 1)
-    fp32 = parse_spec(TINY_SPEC)                                  # not gated: streamed
-    assert "the accuracy reference's model" not in build_refusal(fp32, ckpt, 1)
+    gated = parse_spec(TINY_SPEC + "precision: {weights: int8}\n")
+    ckpt = open_checkpoint(gated.model)
+    est = build_estimate(gated, ckpt)
+    assert est.whole_fp32 == "reference" and est.peak_bytes >= FIXED_BYTES + est.fp32_bytes
+    assert build_estimate(parse_spec(TINY_SPEC), ckpt).whole_fp32 == ""     # not gated
+    calibrated = parse_spec(TINY_SPEC + "precision: {weights: int4}\n"
+                            "accuracy: {calibration_text: pydoc}\n")
+    assert build_estimate(calibrated, ckpt).whole_fp32 == "quantize"

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kiln.builder.draft import check_draft, draft_current, speculative_section
+from kiln.builder.draft import (check_draft, draft_current, load_draft_spec,
+                                speculative_section)
 from kiln.builder.memory import build_refusal, peak_rss_bytes
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, load_spec, parse_memory
@@ -127,16 +128,21 @@ def kv_cache_section(spec: Spec) -> KVCacheSection:
 
 def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
           force: bool = False, progress: Progress | None = None,
-          max_memory: Optional[int] = None) -> BuildResult:
+          max_memory: Optional[int] = None, draft_plan: Optional[Path] = None) -> BuildResult:
     """Build the plan for a spec (or report it up to date). Raises SpecError/BuildError;
     BuildError before any work when the build cannot fit in memory (builder/memory.py;
-    max_memory: the bytes it may use, instead of what the machine has available)."""
+    max_memory: the bytes it may use, instead of what the machine has available). A draft
+    spec the spec names is built (or found up to date) at its default output first, unless
+    `draft_plan` gives its built plan (kiln ci: the stored one)."""
     t0 = time.perf_counter()
     progress = progress or Progress()
     spec = load_spec(spec_path)
     out = Path(out) if out else default_output(spec)
+    if (drafter := load_draft_spec(spec, spec_path)) is not None and draft_plan is None:
+        draft_plan = build(drafter[0], default_output(drafter[1]), progress=progress,
+                           max_memory=max_memory).path
     if not force and (manifest := quick_up_to_date(spec, out)) is not None \
-            and draft_current(spec, spec_path, manifest):
+            and draft_current(spec, spec_path, manifest, draft_plan):
         return BuildResult(out, manifest.fingerprint, False, "up to date",
                            time.perf_counter() - t0, manifest)
     from kiln.builder.sources import open_checkpoint
@@ -146,7 +152,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_spec_against_model(spec, ckpt.config)
     ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
-    draft = check_draft(spec, spec_path, ckpt, target, out)
+    draft = check_draft(spec, spec_path, ckpt, target, out, draft_plan)
     fp, fp_inputs = plan_fingerprint(spec, ckpt, target, draft)
     if not force and is_up_to_date(out, fp):
         from kiln.runtime.plan import read_manifest

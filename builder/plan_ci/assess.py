@@ -20,7 +20,7 @@ from kiln.builder.plan_ci.records import InputChange
 from kiln.builder.plan_ci.store import PlanStore
 from kiln.builder.spec import Spec, SpecError, load_spec
 from kiln.builder.uptodate import quick_up_to_date
-from kiln.contracts.manifest import StoredPlan
+from kiln.contracts.manifest import DraftRecord, StoredPlan
 
 INPUTS = ("spec", "weights", "toolchain", "target")
 REUSE, BUILD, FAIL = "reuse", "build", "fail"
@@ -39,6 +39,7 @@ class Assessment:
     changed: list[InputChange] = field(default_factory=list)   # fingerprint inputs changed
     error: Optional[str] = None
     spec: Optional[Spec] = field(default=None, repr=False)
+    draft: Optional[DraftRecord] = None  # the stored plan of the draft spec it names, if any
 
     def to_json(self) -> dict:
         return {"spec_path": str(self.spec_path), "name": self.name, "device": self.device,
@@ -55,22 +56,29 @@ def find_specs(folder: str | os.PathLike) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
 
 
-def assess(spec_path: Path, store: PlanStore, full: bool = False) -> Assessment:
-    """Decide what to do with one spec. `full`: skip the quick key, compute the fingerprint."""
+def assess(spec_path: Path, store: PlanStore, full: bool = False,
+           draft: Optional[DraftRecord] = None) -> Assessment:
+    """Decide what to do with one spec. `full`: skip the quick key, compute the fingerprint.
+    `draft`: the stored plan of the draft spec the spec names (its path: plans/<fp>)."""
+    from kiln.builder.draft import load_draft_spec
+
     try:
         spec = load_spec(spec_path)
+        load_draft_spec(spec, spec_path)   # a draft spec that names a draft, or a cycle
     except SpecError as e:
         return Assessment(spec_path, FAIL, "invalid spec", error=str(e))
-    a = Assessment(spec_path, BUILD, "", name=spec.name, device=spec.target.device, spec=spec)
+    a = Assessment(spec_path, BUILD, "", name=spec.name, device=spec.target.device, spec=spec,
+                   draft=draft)
     ptr = store.pointer(spec.name)
     a.previous = ptr.fingerprint if ptr else None
     own = ptr and (ptr.pinned_from or ptr.fingerprint)   # the plan the spec gave last time
-    if not full and own and quick_up_to_date(spec, store.plan_dir(own)) \
+    if not full and own and (m := quick_up_to_date(spec, store.plan_dir(own))) \
+            and _same_draft(m, draft) \
             and (own == ptr.fingerprint or store.has(ptr.fingerprint)):
         a.action, a.reason, a.fingerprint = REUSE, _unchanged(ptr), ptr.fingerprint
         return a
 
-    fp, inputs, error = _fingerprint(spec, spec_path)
+    fp, inputs, error = _fingerprint(spec, spec_path, draft)
     if error:
         a.action, a.reason, a.error = FAIL, "cannot fingerprint", error
         return a
@@ -99,10 +107,19 @@ def _unchanged(ptr) -> str:
     return "unchanged"
 
 
-def _fingerprint(spec: Spec, spec_path: Path
+def _same_draft(manifest, draft: Optional[DraftRecord]) -> bool:
+    """Whether a plan was built against this stored draft plan (True: no draft spec)."""
+    if draft is None:
+        return True
+    recorded = manifest.speculative.draft if manifest.speculative else None
+    return recorded is not None and recorded.fingerprint == draft.fingerprint
+
+
+def _fingerprint(spec: Spec, spec_path: Path, draft: Optional[DraftRecord] = None
                  ) -> tuple[Optional[str], Optional[dict], Optional[str]]:
     """(fingerprint, inputs, None) or (None, None, message), as the build computes them (a
-    draft plan's fingerprint included). Imports torch."""
+    draft plan's fingerprint included: `draft`, else the plan draft_plan names). Imports
+    torch."""
     from kiln.builder.build import check_spec_against_model, plan_fingerprint
     from kiln.builder.draft import draft_now
     from kiln.builder.sources import CheckpointError, open_checkpoint
@@ -110,7 +127,7 @@ def _fingerprint(spec: Spec, spec_path: Path
     try:
         ckpt = open_checkpoint(spec.model)
         check_spec_against_model(spec, ckpt.config)
-        fp, inputs = plan_fingerprint(spec, ckpt, draft=draft_now(spec, spec_path))
+        fp, inputs = plan_fingerprint(spec, ckpt, draft=draft or draft_now(spec, spec_path))
     except (SpecError, CheckpointError) as e:
         return None, None, str(e)
     except Exception as e:  # an unreadable checkpoint can fail in many ways

@@ -24,6 +24,7 @@ from kiln.builder.plan_ci.assess import BUILD, FAIL, REUSE, Assessment, assess
 from kiln.builder.plan_ci.records import BuildOutcome, PlanRecord
 from kiln.builder.plan_ci.report import FAILED, REBUILT, REUSED, RunReport, SpecResult
 from kiln.builder.plan_ci.store import PlanStore, StoreError
+from kiln.contracts.manifest import DraftRecord
 from kiln.contracts.reports import VerifyReport
 
 
@@ -45,8 +46,64 @@ def select(assessments: list[Assessment], target: Optional[str]) -> list[Assessm
 
 
 def assess_all(spec_paths: list[Path], opts: CIOptions) -> list[Assessment]:
+    """Every spec's assessment, draft specs first: a spec whose draft_plan names a spec of
+    this run is assessed against the draft's plan (the one in the store, or the one its build
+    will publish); it fails when its draft spec fails or is not one of this run's."""
     store = PlanStore(opts.store)
-    return select([assess(p, store, full=opts.full) for p in spec_paths], opts.target)
+    paths = order_drafts_first(spec_paths)
+    done: dict[Path, Assessment] = {}
+    for p in paths:
+        drafter = _draft_spec(p)
+        if drafter is None:
+            done[p.resolve()] = assess(p, store, full=opts.full)
+            continue
+        d = done.get(drafter)
+        if d is None or d.action == FAIL:
+            a = _draft_failed(p, store, d, drafter)
+        else:
+            a = assess(p, store, full=opts.full, draft=DraftRecord(
+                name=d.name, fingerprint=d.fingerprint, path=str(store.plan_dir(d.fingerprint))))
+        done[p.resolve()] = a
+    return select([done[p.resolve()] for p in paths], opts.target)
+
+
+def _draft_failed(path: Path, store: PlanStore, d: Optional[Assessment],
+                  drafter: Path) -> Assessment:
+    """The failure of a spec whose draft spec failed or is not one of this run's."""
+    from kiln.builder.draft import load_draft_spec
+    from kiln.builder.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(path)
+    except SpecError as e:
+        return Assessment(path, FAIL, "invalid spec", error=str(e))
+    why = (f"its draft spec {d.name or drafter} failed: {d.error or d.reason}" if d else
+           f"its draft spec {drafter} is not one of this run's specs")
+    try:
+        load_draft_spec(spec, path)   # a draft spec naming a draft, a cycle: that message
+    except SpecError as e:
+        why = str(e)
+    ptr = store.pointer(spec.name)
+    return Assessment(path, FAIL, "draft spec failed", name=spec.name, device=spec.target.device,
+                      previous=ptr.fingerprint if ptr else None, error=why, spec=spec)
+
+
+def _draft_spec(path: Path) -> Optional[Path]:
+    """The draft spec a spec file names (resolved), None when it names none or does not load."""
+    from kiln.builder.draft import draft_spec_path
+    from kiln.builder.spec import SpecError, load_spec
+
+    try:
+        return draft_spec_path(load_spec(path), path)
+    except SpecError:
+        return None
+
+
+def order_drafts_first(spec_paths: list[Path]) -> list[Path]:
+    """The specs with those another spec names as its draft first (a draft spec drafts
+    alone, so one pass orders them); otherwise in the given order."""
+    drafts = {d for p in spec_paths if (d := _draft_spec(p)) is not None}
+    return sorted(spec_paths, key=lambda p: p.resolve() not in drafts)
 
 
 def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = None) -> RunReport:
@@ -69,13 +126,41 @@ def rebuild(spec_paths: list[Path], opts: CIOptions, log: Optional[TextIO] = Non
         else:
             results[i] = _reuse(store, a, log)
 
-    for i, a, out in _run_jobs(jobs, opts.jobs):
-        results[i] = _publish(store, a, out, opts.keep, log)
+    # two waves: draft specs are published before the specs that draft with them build
+    for wave in ([j for j in jobs if j[1].draft is None], [j for j in jobs if j[1].draft]):
+        for i, a, out in _run_jobs(_with_drafts(store, wave, results, log), opts.jobs):
+            results[i] = _publish(store, a, out, opts.keep, log)
     if opts.oci:
         for res in results.values():
             _publish_image(store, res, log)
     return RunReport([results[i] for i in sorted(results)], str(opts.store),
                      time.perf_counter() - t0, started, _toolchain(), opts.target)
+
+
+def _with_drafts(store: PlanStore, jobs: list, results: dict[int, SpecResult],
+                 log: TextIO) -> list:
+    """The jobs whose draft plan is in the store, each with it linked beside its staged plan
+    (so the manifest records it as a sibling: plans/<fp>/../<draft fp>); the others fail,
+    naming the draft."""
+    ready = []
+    for i, a, kw in jobs:
+        if a.draft is None:
+            ready.append((i, a, kw))
+            continue
+        fp = a.draft.fingerprint
+        if not store.has(fp):
+            failed = next((r for r in results.values() if r.name == a.draft.name), None)
+            why = (f"its draft spec {a.draft.name} failed: {failed.error}" if failed
+                   and failed.error else f"its draft plan {a.draft.name} {fp[:12]} is not in "
+                   "the store")
+            print(f"{a.name}: FAILED ({why.splitlines()[0]})", file=log)
+            shutil.rmtree(kw["staging"], ignore_errors=True)
+            results[i] = _result(a, FAILED, error=why)
+            continue
+        link = Path(kw["staging"]) / fp
+        link.symlink_to(store.plan_dir(fp).resolve(), target_is_directory=True)
+        ready.append((i, a, {**kw, "draft_plan": str(link)}))
+    return ready
 
 
 @dataclass(frozen=True)
@@ -157,15 +242,18 @@ def _worker_init(threads: int) -> None:
 
 
 def build_and_verify(spec_path: str, staging: str,
-                     reference: Optional[dict[str, list[int]]]) -> BuildOutcome:
-    """Build the spec into staging/plan and verify it there (the outcome may cross a process
-    boundary: pickled); never raises."""
+                     reference: Optional[dict[str, list[int]]],
+                     draft_plan: Optional[str] = None) -> BuildOutcome:
+    """Build the spec into staging/plan (against `draft_plan`, the stored plan of its draft
+    spec) and verify it there (the outcome may cross a process boundary: pickled); never
+    raises."""
     from kiln.builder.build import build
     from kiln.builder.progress import Progress
 
     try:
         res = build(spec_path, Path(staging) / "plan", force=True,
-                    progress=Progress(enabled=False))
+                    progress=Progress(enabled=False),
+                    draft_plan=Path(draft_plan) if draft_plan else None)
     except Exception as e:
         return BuildOutcome(False, staging, error=_message(e))
     built = BuildOutcome(False, staging, fingerprint=res.fingerprint, build_seconds=res.seconds,

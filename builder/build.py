@@ -23,7 +23,7 @@ from kiln.builder.draft import (check_draft, draft_current, load_draft_spec,
                                 speculative_section)
 from kiln.builder.memory import build_refusal, peak_rss_bytes
 from kiln.builder.progress import Progress
-from kiln.builder.spec import Spec, SpecError, load_spec, parse_memory
+from kiln.builder.spec import Spec, SpecError, default_output, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
 from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION, FieldError
 from kiln.contracts.manifest import (AccuracyRecord, CheckSection, EngineSection, FileEntry,
@@ -48,10 +48,6 @@ class BuildResult:
     reason: str
     seconds: float
     manifest: PlanManifest
-
-
-def default_output(spec: Spec) -> Path:
-    return Path("plans") / spec.name
 
 
 def check_spec_against_model(spec: Spec, cfg) -> None:

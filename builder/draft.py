@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from kiln.builder.spec import Spec, SpecError, load_spec
+from kiln.builder.spec import Spec, SpecError, default_output, load_spec
 from kiln.contracts import MANIFEST_FILE
 from kiln.contracts.manifest import DraftRecord, PlanManifest, SpeculativeSection, TargetSection
 
@@ -74,8 +74,6 @@ def draft_dir(spec: Spec, spec_path, plan: Optional[Path] = None) -> Optional[Pa
     if plan is not None:
         return Path(plan)
     if (named := load_draft_spec(spec, spec_path)) is not None:
-        from kiln.builder.build import default_output
-
         return default_output(named[1])
     return path
 

@@ -535,3 +535,8 @@ def parse_spec(text: str, source: str = "<spec>", base_dir: Path | None = None) 
             else:
                 problems.append((_loc(err["loc"]), _describe(err)))
         raise SpecError(source, problems) from None
+
+
+def default_output(spec: Spec) -> Path:
+    """Where `kiln build` writes a spec's plan when no output is given: plans/NAME."""
+    return Path("plans") / spec.name

@@ -339,6 +339,13 @@ class Scheduler:
         del seq.token_ids[num_tokens:]
         self.num_generated_tokens -= dropped
 
+    def adapter_names(self) -> tuple[list[str], list[str]]:
+        """(LoRA adapters of running sequences, of waiting ones), sorted; read from another
+        thread (metrics), so over copies of the queues."""
+        running = sorted({s.adapter for s in list(self.running) if s.adapter is not None})
+        waiting = sorted({s.adapter for s in list(self.waiting) if s.adapter is not None})
+        return running, waiting
+
     # ---- speculative decoding -------------------------------------------------------------
     def _draft_allowance(self) -> int:
         """Drafts each decoding sequence may bring this step (0: no speculation): only with

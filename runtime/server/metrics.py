@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 from typing import Callable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -70,6 +71,19 @@ class _EngineCollector:
             yield CounterMetricFamily(name, doc, value=float(value))
         if engine.adapters is not None:
             yield from _lora_metrics(engine.adapters.stats())
+            yield _lora_info(*engine.scheduler.adapter_names(), engine.scheduler.max_adapters)
+
+
+def _lora_info(running: list[str], waiting: list[str], max_lora: int) -> GaugeMetricFamily:
+    """The endpoint picker's LoRA-affinity signal, in the form its model-server protocol
+    reads (vLLM's lora_requests_info): adapters of running and of waiting requests as
+    comma-separated labels, the most one step takes, the scrape time as the value."""
+    info = GaugeMetricFamily("kiln_lora_requests_info", "LoRA adapters of running and waiting "
+                             "requests (labels) and the most in one step; value: scrape time",
+                             labels=["running_lora_adapters", "waiting_lora_adapters",
+                                     "max_lora"])
+    info.add_metric([",".join(running), ",".join(waiting), str(max_lora)], time.time())
+    return info
 
 
 def _lora_metrics(stats: tuple[int, int, dict[str, int]]):

@@ -115,7 +115,10 @@ def default_values(manifest: PlanManifest, sizing: DeploySizing) -> dict:
         # (gauges: queued requests, running requests, KV-cache utilisation from 0 to 1)
         "inferenceExtension": {"queueMetric": "kiln_queue_length",
                                "runningMetric": "kiln_running_requests",
-                               "kvCacheUsageMetric": "kiln_kv_cache_usage_ratio"},
+                               "kvCacheUsageMetric": "kiln_kv_cache_usage_ratio",
+                               # a LoRA plan: running/waiting adapters and the most a step takes
+                               **({"loraInfoMetric": "kiln_lora_requests_info"}
+                                  if manifest.lora is not None else {})},
     }
 
 

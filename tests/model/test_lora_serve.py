@@ -53,6 +53,9 @@ def test_adapters_are_models_of_their_own(server, setup):  # noqa: F811
     m = server.metrics()
     assert m["kiln_lora_adapters_loaded"] == 2 and m["kiln_lora_adapters_active"] == 0
     assert m['kiln_lora_requests_total{adapter="qv8"}'] == 2
+    info = [k for k in m if k.startswith("kiln_lora_requests_info{")]   # nothing in flight
+    assert info == ['kiln_lora_requests_info{max_lora="2",running_lora_adapters="",'
+                    'waiting_lora_adapters=""}'], info
 
 
 def test_kserve_lora_name_selects_the_adapter(server):

@@ -231,7 +231,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     from kiln.builder.sources import load_model
     from kiln.builder.streaming import load_quantized_for, streams
 
-    if streams(spec):     # each linear packed as it loads; the reference loads its own
+    if streams(spec, ckpt.config):     # each linear packed as it loads; the reference loads its own
         gate = _reference(None, spec, ckpt, progress)
         model, quantization = load_quantized_for(spec, ckpt, progress)
     else:
@@ -252,7 +252,7 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
     manifest = _manifest(tmp, spec, spec_path, ckpt, target, fp, fp_inputs,
                          _Built(quantization, engine, check, accuracy, draft, lora,
-                                streams(spec)))
+                                streams(spec, ckpt.config)))
     (tmp / MANIFEST_FILE).write_text(manifest.dumps())
     return manifest
 

@@ -178,7 +178,7 @@ def build_estimate(spec, ckpt) -> MemoryEstimate:
 
     p = spec.precision
     keep = () if p.weights in ("bf16", "fp32") else tuple(p.keep_high_precision)
-    whole = "quantize" if not streams(spec) else ""
+    whole = "quantize" if not streams(spec, ckpt.config) else ""
     if not whole and spec.max_ppl_increase is not None:
         from kiln.builder.accuracy_reference import Gate
 

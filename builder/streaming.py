@@ -144,10 +144,14 @@ def load_quantized(ckpt, weights: str, group_size: Optional[int], keep: tuple[st
     return model, sq.finish(model)
 
 
-def streams(spec) -> bool:
+def streams(spec, cfg) -> bool:
     """Whether a build of this spec loads and quantizes in one pass: packed weights without
-    calibration (AWQ / SmoothQuant need the float model's activations on calibration text)."""
-    return spec.packed_weights and spec.accuracy.calibration_text is None
+    calibration (AWQ / SmoothQuant need the float model's activations on calibration text),
+    on a dense model (cfg: the checkpoint's DecoderConfig). Mixture-of-experts layers are
+    packed by quantize_model's QuantExperts, which the tensor-by-tensor path does not build:
+    they load whole, then quantize."""
+    return (spec.packed_weights and spec.accuracy.calibration_text is None
+            and not getattr(cfg, "num_experts", 0))
 
 
 def load_quantized_for(spec, ckpt, progress) -> tuple[nn.Module, QuantizationRecord]:

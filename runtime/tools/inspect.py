@@ -53,8 +53,10 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
                    f"{lim.max_input_len}, tokens/step {lim.max_num_tokens}"),
         ("kv cache", f"{kv_line}; {human_bytes(per_tok)}/token"),
         ("scheduler", ", ".join(f"{k}={v}" for k, v in sorted(m.scheduler.to_json().items()))),
-        *([("speculative", ", ".join(f"{k}={v}" for k, v in m.speculative.to_json().items()
-                                     if k != "draft"))] if m.speculative else []),
+        *([("speculative", ", ".join(
+            f"{k}={v}" for k, v in m.speculative.to_json().items()
+            if k != "draft" and not (k.startswith("ngram_") and m.speculative.method != "ngram")))]
+          if m.speculative else []),
         *([("draft plan", f"{d.name}  {d.path}  fingerprint {d.fingerprint}")]
           if m.speculative and (d := m.speculative.draft) else []),
         *([("lora", f"max_rank {lo.max_rank}, targets {', '.join(lo.target_modules)}, "

@@ -65,6 +65,8 @@ def test_target_records_draft_and_output_is_identical(target_plan, draft_plan):
     assert m.fingerprint_inputs["draft"] == draft.fingerprint
     assert re.search(rf"^draft plan +tiny-int8  {re.escape(rec.path)}  fingerprint "
                      rf"{draft.fingerprint}$", describe(m, target_plan), re.M)
+    line = re.search(r"^speculative +(.*)$", describe(m, target_plan), re.M).group(1)
+    assert line.startswith("method=draft, max_draft_tokens=") and "ngram" not in line, line
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     with Engine.from_plan(target_plan, speculative=False) as plain:
         want = plain.generate(_prompts(), params)

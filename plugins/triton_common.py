@@ -1,4 +1,5 @@
-"""Triton helpers shared by the plugins' GPU kernels (paged_kv's attention, quant's linears).
+"""Triton helpers shared by the plugins' GPU kernels (paged_kv's attention, quant's linears,
+moe's experts, lora's deltas).
 
 Imports triton: only the Triton kernel modules import this one.
 """
@@ -16,6 +17,19 @@ def bf16_bits(x):
     bits = x.to(tl.int32, bitcast=True)
     bits = bits + 0x7FFF + ((bits >> 16) & 1)
     return (bits >> 16).to(tl.int16)
+
+
+@triton.jit
+def segment_rows(order_ptr, starts_ptr, g, pid_m, BLOCK_M: tl.constexpr):
+    """Rows pid_m*BLOCK_M.. of group g in a grouped order (group g holds
+    order[starts[g]:starts[g + 1]]: an expert's (token, k) pairs, an adapter slot's tokens)
+    -> (their positions in the order, the order's entries there, the mask, whether any row
+    is in the group)."""
+    start = tl.load(starts_ptr + g)
+    end = tl.load(starts_ptr + g + 1)
+    pos = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = pos < end
+    return pos, tl.load(order_ptr + pos, mask=mask, other=0), mask, start + pid_m * BLOCK_M < end
 
 
 def dot_precision(dtype: torch.dtype) -> str:

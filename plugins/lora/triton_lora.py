@@ -23,20 +23,9 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kiln.plugins.lora import ops
-from kiln.plugins.triton_common import dot_precision
+from kiln.plugins.triton_common import dot_precision, segment_rows
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
-
-
-@triton.jit
-def _slot_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M: tl.constexpr):
-    """Positions m*BLOCK_M.. of slot s's tokens in the sorted order, their tokens and mask."""
-    start = tl.load(starts_ptr + s)
-    end = tl.load(starts_ptr + s + 1)
-    pos = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = pos < end
-    tok = tl.load(order_ptr + pos, mask=mask, other=0)
-    return pos, tok, mask, start + pid_m * BLOCK_M < end
 
 
 @triton.jit
@@ -44,7 +33,7 @@ def _shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, h_ptr, K, R,
                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     s, pid_m = tl.program_id(0), tl.program_id(1)
-    pos, tok, mmask, any_rows = _slot_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M)
+    pos, tok, mmask, any_rows = segment_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M)
     if any_rows:
         tok = tok.to(tl.int64)
         rr = tl.arange(0, BLOCK_R)
@@ -68,7 +57,7 @@ def _expand_kernel(h_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, out_ptr, N, 
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     s, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pos, tok, mmask, any_rows = _slot_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M)
+    pos, tok, mmask, any_rows = segment_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M)
     if any_rows:
         tok = tok.to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -24,19 +24,9 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from kiln.plugins.moe import ops
-from kiln.plugins.triton_common import dot_precision
+from kiln.plugins.triton_common import dot_precision, segment_rows
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
-
-
-@triton.jit
-def _pair_rows(order_ptr, starts_ptr, e, pid_m, BLOCK_M: tl.constexpr):
-    """Expert e's pairs m*BLOCK_M.. (flat t*k + j indices) and their mask."""
-    start = tl.load(starts_ptr + e)
-    end = tl.load(starts_ptr + e + 1)
-    rows = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask = rows < end
-    return tl.load(order_ptr + rows, mask=mask, other=0), mask, start + pid_m * BLOCK_M < end
 
 
 @triton.jit
@@ -44,7 +34,8 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, starts_ptr, act_ptr, H, I, TOPK,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pairs, mmask, any_rows = _pair_rows(order_ptr, starts_ptr, e, pid_m, BLOCK_M)
+    # expert e's (token, k) pairs, flat t * k + j
+    _, pairs, mmask, any_rows = segment_rows(order_ptr, starts_ptr, e, pid_m, BLOCK_M)
     if any_rows:
         tok = (pairs // TOPK).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,7 +65,8 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, starts_ptr, out_ptr, H, I,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
     e, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pairs, mmask, any_rows = _pair_rows(order_ptr, starts_ptr, e, pid_m, BLOCK_M)
+    # expert e's (token, k) pairs, flat t * k + j
+    _, pairs, mmask, any_rows = segment_rows(order_ptr, starts_ptr, e, pid_m, BLOCK_M)
     if any_rows:
         p = pairs.to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -14,6 +14,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Kiln: build LLM inference plans ahead of time, then serve them.")
 
 
+PREFILL_HELP = ("prefill tokens a step with running decodes may add (default: the rest of "
+                "max_num_tokens); lower: steadier inter-token latency while prompts arrive, "
+                "later first tokens, less throughput (docs/SERVING.md)")
 DRAFT_PLAN_HELP = ("the draft plan of a plan built with speculative method draft, where it "
                    "is not at the path the plan records")
 LORA_HELP = ("load a LoRA adapter in PEFT's format (a plan built with lora); requests name it "
@@ -154,6 +157,7 @@ def serve(
                                                  help="lower the plan's limit"),
     max_queue: Optional[int] = typer.Option(None, "--max-queue",
                                             help="lower the plan's waiting-queue bound"),
+    max_prefill_tokens_with_decodes: Optional[int] = typer.Option(None, help=PREFILL_HELP),
     drain_seconds: float = typer.Option(30.0, "--drain-seconds",
                                         help="on SIGTERM, time for in-flight requests"),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert"),
@@ -167,8 +171,7 @@ def serve(
     metrics_host: Optional[str] = typer.Option(None, "--metrics-host",
                                                help="bind the metrics port here (default: "
                                                     "--host)"),
-    metrics_auth: bool = typer.Option(False, "--metrics-auth",
-                                      help="require the bearer token on the metrics port too"),
+    metrics_auth: bool = typer.Option(False, "--metrics-auth", help="bearer token on /metrics too"),
     max_request_bytes: int = typer.Option(16 * 2**20, "--max-request-bytes",
                                           help="largest HTTP body / gRPC message (413 / "
                                                "RESOURCE_EXHAUSTED beyond)"),
@@ -244,7 +247,9 @@ def _serve_config(a: dict):
     cfg = ServeConfig(plan=a["plan"], host=a["host"], port=a["port"],
                       metrics_port=a["metrics_port"], model_name=a["model_name"],
                       max_batch_size=a["max_batch_size"], max_num_tokens=a["max_num_tokens"],
-                      max_queue=a["max_queue"], drain_seconds=a["drain_seconds"],
+                      max_queue=a["max_queue"],
+                      max_prefill_tokens_with_decodes=a["max_prefill_tokens_with_decodes"],
+                      drain_seconds=a["drain_seconds"],
                       tls_cert=a["tls_cert"], tls_key=a["tls_key"],
                       auth_token=_auth_token(a["auth_token"], a["auth_token_file"]),
                       http_port=a["http_port"], metrics_host=a["metrics_host"],

@@ -10,7 +10,13 @@ lets the computed tokens catch up by up to the token budget:
 
 Each step: running decodes first (oldest first), then running prefill chunks, then new
 admissions from the waiting queue (FIFO), under `max_batch_size` sequences and
-`max_num_tokens` tokens. Policies decide admission when blocks are scarce:
+`max_num_tokens` tokens. A step that runs decodes adds at most
+`max_prefill_tokens_with_decodes` prefill tokens (chunks and admissions; unset: whatever the
+budget leaves): the throughput/latency trade of mixing prompts into decode steps. A large
+prefill chunk makes that step, and so every running stream's next token, wait for it; a
+small one spreads the same prompts over more steps, each of which reads all the weights again,
+and delays the new requests' first tokens. Steps without decodes always take the whole budget.
+Policies decide admission when blocks are scarce:
 
 - guaranteed_no_evict: admit only when the prompt and all of max_tokens fit in blocks not
   promised to anyone else; a started sequence always finishes.
@@ -51,6 +57,10 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     prefix_caching: bool = True
     max_queue: int = 1024             # bound of the waiting queue
+    # prefill tokens (chunks and admissions) a step that runs decodes may add; None: what
+    # max_num_tokens leaves. Lower: steadier inter-token latency while prompts arrive, later
+    # first tokens and more steps for the same prompts (the module docstring)
+    max_prefill_tokens_with_decodes: Optional[int] = None
 
     def __post_init__(self):
         """The one check of the engine's limits (FieldError names the setting)."""
@@ -62,6 +72,11 @@ class SchedulerConfig:
                      "max_queue"):
             if getattr(self, name) < 1:
                 raise FieldError(name, f"must be >= 1 (got {getattr(self, name)})")
+        cap = self.max_prefill_tokens_with_decodes
+        if cap is not None and cap < 1:
+            raise FieldError("max_prefill_tokens_with_decodes",
+                             f"must be >= 1 (got {cap}): with 0, a prompt would wait for every "
+                             "running sequence to finish")
         if self.max_input_len is not None and not 1 <= self.max_input_len < self.max_seq_len:
             problem = (f"({self.max_input_len}) must be in [1, max_seq_len ({self.max_seq_len})): "
                        "a request needs room for one output token")
@@ -270,6 +285,9 @@ class Scheduler:
                 self._put(out, seq, 1, drafts)
                 budget -= 1 + len(drafts)
             i += 1
+        cap = self.config.max_prefill_tokens_with_decodes
+        if out.seqs and cap is not None:   # decodes run: prefill work joins them up to the cap
+            budget = min(budget, cap)
         # 2. running prefill chunks (their prompt blocks were allocated at admission)
         for seq in self.running:
             if budget <= 0 or len(out.seqs) >= self.config.max_batch_size:

@@ -66,6 +66,7 @@ class ServeConfig:
     max_batch_size: Optional[int] = None     # limits: lowered only
     max_num_tokens: Optional[int] = None
     max_queue: Optional[int] = None
+    max_prefill_tokens_with_decodes: Optional[int] = None   # scheduling trade (scheduler.py)
     drain_seconds: float = 30.0
     tls_cert: Optional[Path] = None
     tls_key: Optional[Path] = None
@@ -83,7 +84,8 @@ class ServeConfig:
     lora_loading: bool = False               # HTTP routes that load/unload adapters
 
     def overrides(self) -> dict:
-        return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue")
+        return {k: getattr(self, k) for k in ("max_batch_size", "max_num_tokens", "max_queue",
+                                              "max_prefill_tokens_with_decodes")
                 if getattr(self, k) is not None}
 
 

@@ -3,6 +3,7 @@ costs (not a test).
 
     python -m bench.scale make --shape 1b [--dir ~/.cache/kiln/scale] [--seed 0]
     python -m bench.scale load --shape 1b --how streamed|whole [--spec SPEC]
+    python -m bench.scale reference --shape 1b --how layerwise|whole [--tokens N]
 
 `make` writes a Hugging Face checkpoint directory (config.json, tokenizer.json, bf16
 safetensors in two shards with model.safetensors.index.json, as real checkpoints are sharded)
@@ -14,6 +15,10 @@ spec's precision) in this process, either the streaming load (builder/streaming.
 whole float32 model then quantize_model, and prints seconds, the packed bytes and the peak
 RSS (VmHWM) after loading and after quantizing. One process per measurement: VmHWM only grows.
 Measured: bench/results/scale_1b_memory.json.
+
+`reference` computes the accuracy gate's fp32 reference on the first N evaluation tokens
+(pydoc text, windows of 512), layer by layer (builder/layerwise_reference.py) or with the
+whole fp32 model loaded (load_model + evaluate), and prints seconds, ppl and peak RSS.
 """
 from __future__ import annotations
 
@@ -136,13 +141,37 @@ def load(shape: str, root: Path, how: str, spec_path: str | None) -> dict:
                 peak_rss_after_quantize=gib(rss_quant), threads=torch.get_num_threads())
 
 
+def reference(shape: str, root: Path, how: str, tokens: int) -> dict:
+    """The gate's reference on `tokens` evaluation tokens -> seconds, ppl, peak RSS."""
+    from kiln.builder.accuracy_reference import eager_layout, encoder
+    from kiln.builder.layerwise_reference import evaluate_layerwise
+    from kiln.builder.memory import gib, peak_rss_bytes
+    from kiln.builder.sources import load_model, open_checkpoint
+    from kiln.builder.spec import ModelSpec
+    from kiln.runtime import accuracy_gate as racc
+
+    ckpt = open_checkpoint(ModelSpec(source=str(make(shape, root))))
+    ids = racc.eval_ids(encoder(ckpt.tokenizer_json), racc.eval_text("pydoc"), tokens)
+    t0 = time.perf_counter()
+    if how == "layerwise":
+        res = evaluate_layerwise(ckpt, ids, racc.MAX_WINDOW)
+    else:
+        model = load_model(ckpt)
+        res = racc.evaluate(model, eager_layout(model, racc.MAX_WINDOW), ids, racc.MAX_WINDOW)
+    return dict(shape=shape, how=how, tokens=tokens, seconds=round(time.perf_counter() - t0, 1),
+                ppl=res.ppl, top1_head=res.top1[:8], peak_rss=gib(peak_rss_bytes()))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["make", "load"])
+    ap.add_argument("command", choices=["make", "load", "reference"])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--how", choices=["streamed", "whole"], default="streamed")
+    ap.add_argument("--how", choices=["streamed", "whole", "layerwise"], default=None,
+                    help="load: streamed (default) | whole; reference: layerwise (default) "
+                    "| whole")
+    ap.add_argument("--tokens", type=int, default=2048, help="reference: evaluation tokens")
     ap.add_argument("--spec", default=None, help="spec whose precision is used (default: "
                     "the SmolLM2 throughput spec's, W4A8 + int8 KV)")
     a = ap.parse_args(argv)
@@ -151,8 +180,10 @@ def main(argv=None) -> int:
         d = make(a.shape, a.dir, a.seed)
         size = sum(f.stat().st_size for f in d.iterdir())
         print(f"{d}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f}s")
+    elif a.command == "load":
+        print(json.dumps(load(a.shape, a.dir, a.how or "streamed", a.spec)))
     else:
-        print(json.dumps(load(a.shape, a.dir, a.how, a.spec)))
+        print(json.dumps(reference(a.shape, a.dir, a.how or "layerwise", a.tokens)))
     return 0
 
 

@@ -2,7 +2,9 @@
 
     ids = first accuracy.eval_tokens tokens of the evaluation text (runtime/accuracy_gate.py)
     reference = eager fp32 model of the same checkpoint on the same windows   (cached; needs
-                the checkpoint, so it is computed here and recorded in the plan)
+                the checkpoint, so it is computed here and recorded in the plan); run one
+                decoder layer at a time when no fp32 model is at hand
+                (builder/layerwise_reference.py: the same numbers, one layer's weights held)
     plan      = the compiled engine
     both scored by runtime/accuracy_gate.py `evaluate`, compared by its `score`
     -> GateScore; over the limit: BuildError (gate_message; no plan is written); else
@@ -25,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from kiln.builder import layerwise_reference as layerwise
 from kiln.contracts.manifest import AccuracyRecord
 from kiln.contracts.reports import GateScore
 from kiln.plugins.paged_kv import kv_format
@@ -71,21 +74,28 @@ def _cache_file(ckpt, ids: list[int], window: int, text_sha: str) -> Path:
 
 
 def reference(ckpt, ids: list[int], window: int, text_sha: str,
-              model: Optional[torch.nn.Module] = None) -> tuple[racc.EvalResult, bool]:
+              model: Optional[torch.nn.Module] = None, progress=None
+              ) -> tuple[racc.EvalResult, bool]:
     """The unquantized (eager fp32) result on ids, from the cache or computed; (result, cached).
 
-    `model`: an fp32 model of ckpt not yet quantized (saves loading one)."""
+    `model`: an fp32 model of ckpt not yet quantized (used as it is at hand); without one
+    the reference runs layer by layer (builder/layerwise_reference.py: one layer's fp32
+    weights at a time), or loads the whole fp32 model for a family it does not split."""
     path = _cache_file(ckpt, ids, window, text_sha)
     try:
         d = json.loads(path.read_text())
         return racc.EvalResult(d["nll_sum"], d["count"], d["top1"]), True
     except (OSError, ValueError, KeyError):
         pass
-    if model is None or next(model.parameters()).dtype != torch.float32:
+    if model is not None and next(model.parameters()).dtype == torch.float32:
+        res = racc.evaluate(model, eager_layout(model, window), ids, window)
+    elif layerwise.supported(ckpt.config):
+        res = layerwise.evaluate_layerwise(ckpt, ids, window, progress=progress)
+    else:
         from kiln.builder.sources import load_model
 
         model = load_model(ckpt, dtype=torch.float32).eval()
-    res = racc.evaluate(model, eager_layout(model, window), ids, window)
+        res = racc.evaluate(model, eager_layout(model, window), ids, window)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ref.")
@@ -118,9 +128,19 @@ class Gate:
         """Whether the reference is in the cache (computing it needs the float32 model)."""
         return _cache_file(self.ckpt, self.ids, self.window, self.text_sha).is_file()
 
-    def compute_reference(self, model=None) -> None:
+    def reference_how(self, model=None) -> str:
+        """How compute_reference(model) gets the reference (the build's stage name)."""
+        if self.reference_cached():
+            return "cached"
+        if model is not None and next(model.parameters()).dtype == torch.float32:
+            return "eager fp32 model"
+        if layerwise.supported(self.ckpt.config):
+            return "fp32, one layer at a time"
+        return "eager fp32 model (loaded whole: this family is not split by layer)"
+
+    def compute_reference(self, model=None, progress=None) -> None:
         self.ref, self.ref_cached = reference(self.ckpt, self.ids, self.window, self.text_sha,
-                                              model)
+                                              model, progress)
 
     def run(self, step_fn, kv_dtype: str, plan_dir: Path) -> GateScore:
         """Measure the compiled plan against the reference; writes the reference's top-1

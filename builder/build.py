@@ -265,8 +265,9 @@ def _reference(model, spec: Spec, ckpt, progress: Progress):
 
     gate = Gate(spec, ckpt)
     # the fp32 model is at hand before packing its weights (cached or not)
-    progress.stage(f"accuracy reference: eager fp32 on {len(gate.ids)} tokens")
-    gate.compute_reference(model)
+    progress.stage(f"accuracy reference ({gate.reference_how(model)}) on {len(gate.ids)} "
+                   "tokens")
+    gate.compute_reference(model, progress)
     return gate
 
 

@@ -182,7 +182,12 @@ def build_estimate(spec, ckpt) -> MemoryEstimate:
     if not whole and spec.max_ppl_increase is not None:
         from kiln.builder.accuracy_reference import Gate
 
-        whole = "" if Gate(spec, ckpt).reference_cached() else "reference"
+        from kiln.builder.layerwise_reference import supported
+
+        # the layerwise reference holds one layer's fp32 weights (the embedding's group is
+        # the largest: below the streamed load's plan + largest tensor)
+        whole = "" if (Gate(spec, ckpt).reference_cached() or supported(ckpt.config)) \
+            else "reference"
     return estimate(ckpt.config, p.weights, keep, whole)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -24,10 +24,19 @@ class Checkpoint:
     source_desc: str             # "gguf /path (Q4_1)", "hf dir /path", "random seed 0"
     # dtype -> (our name, tensor) pairs, one at a time; set by the source.
     _stream: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
+    # (dtype, names) -> the pairs of those names only, reading nothing else; None: the
+    # source can only stream everything (random weights are drawn in order)
+    _select: Optional[Callable[[torch.dtype, set], Iterator[tuple[str, torch.Tensor]]]] = \
+        field(default=None, repr=False)
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Our parameter names and tensors (already fused/unpermuted), streamed one at a time."""
         return self._stream(dtype)
+
+    def tensors_of(self, names: set[str], dtype: torch.dtype = torch.float32
+                   ) -> Optional[Iterator[tuple[str, torch.Tensor]]]:
+        """Only the named tensors, read alone (None where the source cannot select)."""
+        return None if self._select is None else self._select(dtype, set(names))
 
 
 def build_mapped(plan: Iterable, read: Callable[[str], torch.Tensor], config: DecoderConfig,

@@ -177,6 +177,10 @@ def open_gguf(path: Path) -> Checkpoint:
         yield from build_mapped(plan, lambda n: _dequantize(tensors[n], path), config, path,
                                 dtype)
 
+    def select(dtype: torch.dtype, names: set) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from build_mapped([m for m in plan if m.target in names],
+                                lambda n: _dequantize(tensors[n], path), config, path, dtype)
+
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=file_sha256(path), source_desc=f"gguf {path} ({qname})",
-                      _stream=stream)
+                      _stream=stream, _select=select)

@@ -183,6 +183,10 @@ def open_hf_dir(root: Path) -> Checkpoint:
     def stream(dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         yield from build_mapped(plan, read, config, root, dtype)
 
+    def select(dtype: torch.dtype, names: set) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from build_mapped([m for m in plan if m.target in names], read, config, root,
+                                dtype)
+
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       weights_digest=files_sha256(root, read_files),
-                      source_desc=f"hf dir {root}", _stream=stream)
+                      source_desc=f"hf dir {root}", _stream=stream, _select=select)

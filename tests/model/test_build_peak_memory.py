@@ -71,8 +71,11 @@ def test_cli_max_memory_and_env(tiny_spec_path, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-def test_an_uncached_reference_counts_the_fp32_model(tmp_path, monkeypatch):
-    from kiln.builder.memory import FIXED_BYTES, build_estimate
+def test_an_uncached_reference_does_not_count_the_fp32_model(tmp_path, monkeypatch):
+    """The reference runs one layer at a time (builder/layerwise_reference.py): only
+    calibration holds the whole fp32 model."""
+    from kiln.builder.accuracy_reference import Gate
+    from kiln.builder.memory import build_estimate
     from kiln.builder.sources import open_checkpoint
     from kiln.builder.spec import parse_spec
     from tests.helpers import TINY_SPEC
@@ -81,7 +84,8 @@ def test_an_uncached_reference_counts_the_fp32_model(tmp_path, monkeypatch):
     gated = parse_spec(TINY_SPEC + "precision: {weights: int8}\n")
     ckpt = open_checkpoint(gated.model)
     est = build_estimate(gated, ckpt)
-    assert est.whole_fp32 == "reference" and est.peak_bytes >= FIXED_BYTES + est.fp32_bytes
+    assert not Gate(gated, ckpt).reference_cached()
+    assert est.whole_fp32 == "" and "accuracy reference" not in est.why
     assert build_estimate(parse_spec(TINY_SPEC), ckpt).whole_fp32 == ""     # not gated
     calibrated = parse_spec(TINY_SPEC + "precision: {weights: int4}\n"
                             "accuracy: {calibration_text: pydoc}\n")

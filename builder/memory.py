@@ -23,6 +23,9 @@ MAX_MEMORY_ENV = "KILN_BUILD_MAX_MEMORY"
 # the tiny test model (0.1 M params: a build peaks at 0.56 GiB, all of it the fixed part):
 #   whole fp32 model loaded, then quantize_model             7.01 GiB = 0.35 + 1.45 x fp32
 #   the accuracy reference (eager fp32 model, not cached)     5.48 GiB = fp32 + 0.88
+#   the same, layer by layer (builder/layerwise_reference.py) 2.32 GiB at 2048 tokens: the
+#                                                             embedding's fp32 group (the
+#                                                             largest) + activations
 #   streaming load + quantize (builder/streaming.py)          1.93 GiB = plan + 0.35 + the
 #                                                             largest tensor (embedding) in
 #                                                             fp32 and bf16 at once

@@ -4,6 +4,7 @@ costs (not a test).
     python -m bench.scale make --shape 1b [--dir ~/.cache/kiln/scale] [--seed 0]
     python -m bench.scale load --shape 1b --how streamed|whole [--spec SPEC]
     python -m bench.scale reference --shape 1b --how layerwise|whole [--tokens N]
+    python -m bench.scale plan-load --plan DIR
 
 `make` writes a Hugging Face checkpoint directory (config.json, tokenizer.json, bf16
 safetensors in two shards with model.safetensors.index.json, as real checkpoints are sharded)
@@ -19,6 +20,10 @@ Measured: bench/results/scale_1b_memory.json.
 `reference` computes the accuracy gate's fp32 reference on the first N evaluation tokens
 (pydoc text, windows of 512), layer by layer (builder/layerwise_reference.py) or with the
 whole fp32 model loaded (load_model + evaluate), and prints seconds, ppl and peak RSS.
+
+`plan-load` loads a built plan as a server does (load_plan + load_step_fn) and prints the
+seconds and the process's memory after: RssAnon (private), RssFile (mapped files, shared
+through the page cache) and the peak.
 """
 from __future__ import annotations
 
@@ -162,9 +167,29 @@ def reference(shape: str, root: Path, how: str, tokens: int) -> dict:
                 ppl=res.ppl, top1_head=res.top1[:8], peak_rss=gib(peak_rss_bytes()))
 
 
+def plan_load(plan_dir: str) -> dict:
+    """Load a plan's engine -> seconds and RSS (private, file-backed, peak) after loading."""
+    from kiln.builder.memory import _proc_kib, gib
+    from kiln.runtime.plan import load_plan, load_step_fn
+
+    def rss() -> dict:
+        return {k: gib(_proc_kib("/proc/self/status", k + ":") or 0)
+                for k in ("RssAnon", "RssFile", "VmHWM")}
+    before = rss()
+    t0 = time.perf_counter()
+    plan = load_plan(plan_dir)
+    step = load_step_fn(plan)
+    seconds = round(time.perf_counter() - t0, 1)
+    after = rss()
+    del step
+    return dict(plan=plan_dir, plan_bytes=sum(f.size for f in plan.manifest.files.values()),
+                seconds=seconds, before=before, after=after)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["make", "load", "reference"])
+    ap.add_argument("command", choices=["make", "load", "reference", "plan-load"])
+    ap.add_argument("--plan", help="plan-load: the plan directory")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--seed", type=int, default=0)
@@ -182,8 +207,10 @@ def main(argv=None) -> int:
         print(f"{d}: {size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f}s")
     elif a.command == "load":
         print(json.dumps(load(a.shape, a.dir, a.how or "streamed", a.spec)))
-    else:
+    elif a.command == "reference":
         print(json.dumps(reference(a.shape, a.dir, a.how or "layerwise", a.tokens)))
+    else:
+        print(json.dumps(plan_load(a.plan)))
     return 0
 
 

@@ -4,11 +4,12 @@
 //   lora_a [S, R, K], lora_b [S, N, R], scales [S]: float32
 //   out[t] = y[t] + scales[s] * lora_b[s] @ (lora_a[s] @ x[t]),  s = slots[t] >= 0
 //
-// The tokens are grouped by slot (counting sort, tokens in order). Shrink: each row of an
-// active slot's A is loaded once and dotted with every token of the slot (rows across
-// threads), h [T, R]. Expand: each chunk of rows of the slot's B stays in cache while every
-// token of the slot takes its outputs of those rows. Each dot is the same fixed-order at::vec
-// sum whatever the group's size, so a token's output never depends on the other tokens.
+// The tokens are grouped by slot (counting sort, tokens in order); each active slot is one
+// item of a single parallel region: shrink (each row of its A read once and dotted with every
+// token of the slot: h [n, R]), then expand (its B read once; with R a multiple of the vector
+// width, a block of outputs per token folded and reduced together, one store a block). Each
+// dot is the same fixed-order at::vec sum whatever the group's size, so a token's output never
+// depends on the other tokens.
 #include <ATen/ATen.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -17,6 +18,9 @@
 #include "../../csrc/parallel.h"
 
 #include <algorithm>
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <vector>
 
@@ -51,6 +55,109 @@ inline float dot(const float* w, const float* a, int64_t n) {
   float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc0 + acc1);
   for (; i < n; ++i) s += w[i] * a[i];
   return s;
+}
+
+// dot(w, a[k], n) for kTok vectors a[k] at once: w read once, each a[k] summed in exactly
+// dot()'s order (two accumulators over alternate Vec steps, then the tail), so the result is
+// dot()'s, bit for bit, whichever tokens share the call.
+constexpr int kTok = 4;
+inline void dots(const float* w, const float* const* a, int64_t n, float* out) {
+  constexpr int64_t L = Vec::size();
+  Vec acc0[kTok], acc1[kTok];
+  for (int k = 0; k < kTok; ++k) acc0[k] = acc1[k] = Vec(0.0f);
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    const Vec w0 = Vec::loadu(w + i), w1 = Vec::loadu(w + i + L);
+    for (int k = 0; k < kTok; ++k) {
+      acc0[k] = at::vec::fmadd(w0, Vec::loadu(a[k] + i), acc0[k]);
+      acc1[k] = at::vec::fmadd(w1, Vec::loadu(a[k] + i + L), acc1[k]);
+    }
+  }
+  if (i + L <= n) {
+    const Vec w0 = Vec::loadu(w + i);
+    for (int k = 0; k < kTok; ++k) acc0[k] = at::vec::fmadd(w0, Vec::loadu(a[k] + i), acc0[k]);
+    i += L;
+  }
+  for (int k = 0; k < kTok; ++k) {
+    float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; },
+                                             acc0[k] + acc1[k]);
+    for (int64_t j = i; j < n; ++j) s += w[j] * a[k][j];
+    out[k] = s;
+  }
+}
+
+// h[t, j] = A[j] . x[t] for the slot's tokens: each row of A is read once for kTok of them.
+inline void shrink(const float* A, int64_t R, int64_t K, const float* x, const int64_t* tokens,
+                   int64_t n_tok, float* h) {
+  int64_t p = 0;
+  for (; p + kTok <= n_tok; p += kTok) {
+    const float* xs[kTok];
+    for (int k = 0; k < kTok; ++k) xs[k] = x + tokens[p + k] * K;
+    float d[kTok];
+    for (int64_t j = 0; j < R; ++j) {
+      dots(A + j * K, xs, K, d);
+      for (int k = 0; k < kTok; ++k) h[tokens[p + k] * R + j] = d[k];
+    }
+  }
+  for (int64_t j = 0; j < R; ++j)
+    for (int64_t q = p; q < n_tok; ++q) h[tokens[q] * R + j] = dot(A + j * K, x + tokens[q] * K, K);
+}
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kBlock = Vec::size();
+// The 8 (16) lane sums of v[0..kBlock) as one Vec: lane k = the sum of v[k]'s lanes, each by
+// the same add tree.
+inline Vec lane_sums(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  alignas(64) float t[kBlock];
+  for (int64_t k = 0; k < kBlock; ++k)
+    t[k] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, v[k]);
+  return Vec::loadu(t);
+#else
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+#endif
+}
+#else
+constexpr int64_t kBlock = 0;
+#endif
+
+// out[t, n] += scale * B[n] . h[t] for the slot's tokens. With R a multiple of the vector
+// width, kBlock outputs at a time: each B row folded into one Vec per token, the kBlock Vecs
+// reduced together (one store instead of kBlock horizontal sums). Every (t, n) is computed by
+// the same sequence whatever the other tokens.
+inline void expand(const float* B, int64_t R, int64_t N, float scale, const float* h,
+                   const int64_t* tokens, int64_t n_tok, float* out) {
+  constexpr int64_t L = Vec::size();
+  int64_t n0 = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if (R % L == 0) {
+    const Vec vs(scale);
+    for (; n0 + kBlock <= N; n0 += kBlock) {
+      const float* Bn = B + n0 * R;
+      for (int64_t p = 0; p < n_tok; ++p) {
+        const float* ht = h + tokens[p] * R;
+        Vec acc[kBlock];
+        for (int64_t k = 0; k < kBlock; ++k) {
+          Vec a = Vec::loadu(Bn + k * R) * Vec::loadu(ht);
+          for (int64_t j = L; j < R; j += L)
+            a = at::vec::fmadd(Vec::loadu(Bn + k * R + j), Vec::loadu(ht + j), a);
+          acc[k] = a;
+        }
+        float* ot = out + tokens[p] * N + n0;
+        at::vec::fmadd(lane_sums(acc), vs, Vec::loadu(ot)).store(ot);
+      }
+    }
+  }
+#endif
+  for (int64_t p = 0; p < n_tok; ++p) {
+    const float* ht = h + tokens[p] * R;
+    float* ot = out + tokens[p] * N;
+    for (int64_t n = n0; n < N; ++n) ot[n] += scale * dot(B + n * R, ht, R);
+  }
 }
 
 // The tokens of each slot, in token order: tokens[start[s] .. start[s + 1]).
@@ -117,34 +224,22 @@ at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   const float* scp = sc.data_ptr<float>();
   float* op = out.data_ptr<float>();
   std::vector<float> h(T * R, 0.0f);                 // h[t] = A[slot t] @ x[t]
+  // One item per active slot: shrink then expand its tokens, so a call opens one parallel
+  // region with no barrier between the passes; the slots are spread over the threads (an idle
+  // thread takes the next slot). A call under kParallelFma multiply-adds (a decode step of a
+  // small model: about 1M at 32 tokens, rank 16, 576 -> 1536) runs on the calling thread:
+  // its 0.1 ms of work is less than what a region costs when a thread of it is descheduled.
+  constexpr int64_t kParallelFma = int64_t(1) << 22;
   const int64_t nA = static_cast<int64_t>(g.active.size());
-  // Shrink: item i = (active slot i / R, row i % R of its A), every token of the slot.
-  kiln::parallel_chunks(nA * R, kiln::chunk_items(nA * R, K * 4, 1 << 16), [&](int64_t lo,
-                                                                              int64_t hi) {
+  const int64_t fma = static_cast<int64_t>(g.tokens.size()) * R * (K + N);
+  const int64_t chunk = fma < kParallelFma ? nA : 1;
+  kiln::parallel_chunks(nA, chunk, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = g.active[i / R], j = i % R;
-      const float* row = ap + (s * R + j) * K;
-      for (int64_t p = g.start[s]; p < g.start[s + 1]; ++p) {
-        const int64_t t = g.tokens[p];
-        h[t * R + j] = dot(row, xp + t * K, K);
-      }
-    }
-  });
-  // Expand: item = a chunk of output rows of one active slot's B.
-  const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(N, (1 << 14) / std::max<int64_t>(1, R)));
-  const int64_t per_slot = (N + rows - 1) / rows;
-  kiln::parallel_chunks(nA * per_slot, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = g.active[i / per_slot];
-      const int64_t n0 = (i % per_slot) * rows, n1 = std::min(N, n0 + rows);
-      const float scale = scp[s];
-      const float* bs = bp + s * N * R;
-      for (int64_t p = g.start[s]; p < g.start[s + 1]; ++p) {
-        const int64_t t = g.tokens[p];
-        const float* ht = h.data() + t * R;
-        float* ot = op + t * N;
-        for (int64_t n = n0; n < n1; ++n) ot[n] += scale * dot(bs + n * R, ht, R);
-      }
+      const int64_t s = g.active[i];
+      const int64_t* tk = g.tokens.data() + g.start[s];
+      const int64_t n_tok = g.start[s + 1] - g.start[s];
+      shrink(ap + s * R * K, R, K, xp, tk, n_tok, h.data());
+      expand(bp + s * N * R, R, N, scp[s], h.data(), tk, n_tok, op);
     }
   });
   return y.scalar_type() == at::kFloat ? out : out.to(y.scalar_type());

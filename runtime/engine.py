@@ -189,7 +189,7 @@ class Engine:
         if req.drafts is None:
             asked = seq.sampling.params.max_draft_tokens
             req.drafts = DraftRecord(self.speculative.max_draft_tokens if asked is None
-                                     else asked)
+                                     else asked, adapt=self.drafter is not None)
         k = min(k, req.drafts.limit())
         if k < 1:
             return []

@@ -20,8 +20,12 @@ each emitted token (model_runner), so its tokens are the ones it gets without sp
 Which requests speculate: any without an output constraint or logprobs (guided and logprobs
 requests decode one token a step). Which steps: those with at most `max_batch` decoding
 sequences; a larger batch is closer to compute-bound, where the extra positions cost about
-what they save. How many: up to max_draft_tokens, fewer for a request whose recent drafts
-were rejected (DraftRecord).
+what they save. How many: up to max_draft_tokens; a draft model's, fewer for a request
+whose recent drafts were rejected (DraftRecord: each of its drafts costs a draft-plan step);
+n-gram's, at most twice the length of the suffix that matched (a lookup costs nothing, a
+rejected draft one position of the verify step, so the match is the evidence, not the
+request's history: on the input-grounded prompts of bench/speculative.py this drafts past
+one changed word at once, where backing off after it left the copied text undrafted).
 """
 from __future__ import annotations
 
@@ -72,13 +76,14 @@ class DraftRecord:
     for `cooling` of its steps (doubling each time, up to 64), then tries one draft again;
     a step that keeps all its drafts doubles the allowance (up to `max_k`) and resets the
     cooling. On text that does not repeat, speculation then costs a draft every few dozen
-    steps."""
+    steps. adapt=False (n-gram drafts) keeps the allowance at max_k and only counts."""
     max_k: int                  # the request's ceiling (the plan's, or lower if it asked)
     k: int = -1                 # drafts allowed now (-1: max_k)
     cooling: int = 4            # steps without drafts the next time k reaches 0
     rest: int = 0               # steps left without drafts
     drafted: int = 0            # draft tokens verified for the request
     accepted: int = 0           # of those, kept
+    adapt: bool = True          # back off on rejection (a draft model's drafts cost steps)
 
     def __post_init__(self):
         if self.k < 0:
@@ -95,6 +100,8 @@ class DraftRecord:
         """A verified step: `accepted` of `drafted` drafts kept."""
         self.drafted += drafted
         self.accepted += accepted
+        if not self.adapt:
+            return
         if drafted and accepted == drafted:
             self.k, self.cooling = min(self.max_k, max(1, 2 * self.k)), 4
         elif drafted and accepted == 0:
@@ -114,9 +121,9 @@ class NgramIndex:
         self._indexed = 0     # n-grams ending before this position are in _last
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """k tokens that followed the latest earlier occurrence of the longest suffix of
-        `tokens` (n_max down to n_min tokens; see _copy) -> [] when no suffix occurred
-        before."""
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` (n_max down to n_min tokens; see _copy), at most 2n for a suffix of n
+        tokens (a lone token's match proposes two) -> [] when no suffix occurred before."""
         L = len(tokens)
         if k < 1 or L < 2:
             return []
@@ -124,7 +131,7 @@ class NgramIndex:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             start = self._last.get(tuple(tokens[L - n:]))
             if start is not None:
-                return _copy(tokens, start + n, k)
+                return _copy(tokens, start + n, min(k, 2 * n))
         return []
 
     def _extend(self, tokens: Sequence[int], end: int) -> None:

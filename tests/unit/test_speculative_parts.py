@@ -67,6 +67,9 @@ def test_ngram_proposals():
     assert ix.propose([3, 7, 1, 3], 2) == []
     assert ix.propose([3, 7, 1, 3, 7], 2) == [1, 3]    # the index grows with the sequence
     assert NgramIndex(1, 1).propose([4, 1, 5, 1, 6, 1], 1) == [6]   # the latest occurrence
+    # a suffix of n tokens proposes at most 2n: "7" alone matched, two of the four asked
+    assert NgramIndex(1, 4).propose([7, 1, 2, 3, 4, 5, 6, 7], 4) == [1, 2]
+    assert NgramIndex(1, 4).propose([7, 8, 1, 2, 3, 4, 7, 8], 4) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match="ngram_min"):
         SpeculativeConfig(ngram_min=3, ngram_max=2)
 
@@ -161,6 +164,15 @@ def test_draft_record_backs_off_on_rejection_and_grows_back_on_acceptance():
     assert r.limit() == 4                     # never past the ceiling
     assert (r.drafted, r.accepted) == (4 + 2 + 2 + 1 + 1 + 1 + 2 + 4, 1 + 1 + 2 + 4)
     assert DraftRecord(4, cooling=4).limit() == 4
+
+
+def test_ngram_draft_record_does_not_back_off():
+    """n-gram drafts (adapt=False): the allowance stays at max_k whatever was rejected; the
+    totals are still counted."""
+    r = DraftRecord(4, adapt=False)
+    for _ in range(6):
+        r.record(r.limit(), 0)
+    assert r.limit() == 4 and (r.drafted, r.accepted) == (24, 0)
 
 
 def test_draft_record_bounds_the_cost_of_text_that_never_repeats():

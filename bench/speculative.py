@@ -13,6 +13,14 @@ or repeat a given text: the output copies the input, where prompt lookup propose
 (b) open chat prompts. Reported per kind, concurrency and side: output tokens/s (sum of
 tokens over sum of batch wall times), mean TPOT, the acceptance rate (accepted / drafted)
 and whether every output is token-for-token the one without speculation.
+
+Both engines are stepped from this one thread, laid out as `kiln serve` lays out its process
+(runtime/compute.py: claim_process before torch loads, this thread the only one computing, with
+--threads OpenMP threads). Two engine threads would give the process two OpenMP pools, more
+pool threads than cores, and libgomp then sleeps between parallel regions instead of
+spinning: every region of a step pays a futex wake-up, which a draft plan's short W4A8 steps
+(several a round) pay far more of than the fp32 step, and no server, one engine per process,
+pays at all.
 """
 from __future__ import annotations
 
@@ -22,10 +30,17 @@ import platform
 import time
 from pathlib import Path
 
-from kiln.runtime.engine import Engine
-from kiln.runtime.sampling import SamplingParams
-from kiln.runtime.speculative import SpeculativeConfig
-from kiln.runtime.streams import RequestResult
+from kiln.runtime.compute import claim_process, enter_engine_thread
+
+if __name__ == "__main__":     # before torch is imported (through the engine)
+    _ap = argparse.ArgumentParser(add_help=False)
+    _ap.add_argument("--threads", type=int, default=None)
+    THREADS = claim_process(_ap.parse_known_args()[0].threads)
+
+from kiln.runtime.engine import Engine  # noqa: E402
+from kiln.runtime.sampling import SamplingParams  # noqa: E402
+from kiln.runtime.speculative import SpeculativeConfig  # noqa: E402
+from kiln.runtime.streams import RequestResult  # noqa: E402
 
 TEXT = ("The river rises in the northern hills and runs south for two hundred miles. "
         "Its water feeds three towns, a paper mill and the farms of the valley. In dry "
@@ -47,13 +62,17 @@ CHAT = [
 
 def run_batch(engine: Engine, prompts: list[str], params: SamplingParams
               ) -> tuple[list[RequestResult], float]:
-    """Requests submitted together -> (their results, wall seconds of the batch). Chat
-    messages where the plan has a chat template, else the bare text."""
+    """Requests submitted together and stepped on this thread until done -> (their results,
+    wall seconds of the batch). Chat messages where the plan has a chat template, else the
+    bare text."""
     chat = bool(engine.tokenizer.chat_template)
     t0 = time.perf_counter()
-    res = engine.generate([[{"role": "user", "content": p}] if chat else p for p in prompts],
-                          params)
-    return res, time.perf_counter() - t0
+    streams = [engine.submit([{"role": "user", "content": p}] if chat else p, params)
+               for p in prompts]
+    engine.run_pending()
+    while engine.scheduler.has_work():
+        engine.step()
+    return [s.result() for s in streams], time.perf_counter() - t0
 
 
 def batches(prompts: list[str], streams: int) -> list[list[str]]:
@@ -79,14 +98,15 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     method = "ngram" if args.draft_plan is None else "draft"
     spec = SpeculativeConfig(method=method, max_draft_tokens=args.draft)
-    engines = {"off": Engine.from_plan(args.plan, num_threads=args.threads, speculative=False),
-               method: Engine.from_plan(args.plan, num_threads=args.threads,
-                                        speculative=spec, draft_plan=args.draft_plan)}
+    enter_engine_thread(THREADS)      # this thread steps both engines
+    engines = {"off": Engine.from_plan(args.plan, start=False, speculative=False),
+               method: Engine.from_plan(args.plan, start=False, speculative=spec,
+                                        draft_plan=args.draft_plan)}
     try:
         for e in engines.values():      # warm-up: first steps of a fresh engine are slower
             run_batch(e, CHAT[:1], SamplingParams(max_tokens=8, temperature=0))
         report = {"plan": args.plan, "machine": platform.processor() or platform.machine(),
-                  "threads": args.threads, "max_tokens": args.max_tokens,
+                  "threads": THREADS, "max_tokens": args.max_tokens,
                   "speculative": spec.__dict__, "draft_plan": args.draft_plan, "kinds": {}}
         for kind, prompts in (("grounded", GROUNDED), ("chat", CHAT)):
             report["kinds"][kind] = {str(n): measure(engines, batches(prompts, n), params,

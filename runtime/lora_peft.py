@@ -23,6 +23,7 @@ from kiln.runtime.lora_buffers import AdapterWeights
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+_GGUF_QUANT = re.compile(r"[.-](?:i?q\d\w*|bf16|f16|f32)$")     # .Q4_1, -q4_k_m, -f16
 
 
 class AdapterError(ValueError):
@@ -59,14 +60,28 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
+def base_names(base_model: str) -> set[str]:
+    """The names the plan's checkpoint goes by, lowercased: its path's last component; for a
+    GGUF file also the model's name (the file's without `.gguf` and its quantization tag:
+    `SmolLM2-135M-Instruct.Q4_1.gguf` is `smollm2-135m-instruct`) and its directory's (what
+    transformers records for a model loaded with from_pretrained(dir, gguf_file=...))."""
+    parts = str(base_model).rstrip("/").lower().split("/")
+    names = {parts[-1]}
+    if parts[-1].endswith(".gguf"):
+        names.add(_GGUF_QUANT.sub("", parts[-1][:-len(".gguf")]))
+        if len(parts) > 1 and parts[-2]:
+            names.add(parts[-2])
+    return names
+
+
 def check_base(cfg: dict, base_model: Optional[str], path: Path) -> None:
-    """AdapterError when the adapter records another base model than the plan's (compared by
-    the last component of each name or path; nothing to compare when either is unknown)."""
+    """AdapterError when the adapter records another base model than the plan's (the last
+    component of the recorded name or path against base_names; nothing to compare when either
+    is unknown)."""
     recorded = cfg.get("base_model_name_or_path")
     if not recorded or not base_model:
         return
-    tail = lambda s: str(s).rstrip("/").split("/")[-1].lower()  # noqa: E731
-    if tail(recorded) != tail(base_model):
+    if str(recorded).rstrip("/").split("/")[-1].lower() not in base_names(base_model):
         raise AdapterError(f"{path}: the adapter was trained on {recorded!r}; this plan's base "
                            f"model is {base_model!r}")
 

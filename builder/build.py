@@ -71,8 +71,9 @@ def check_build_machine(spec: Spec) -> None:
         gpu.check_build_machine(spec)
     except gpu.GpuBuildError as e:
         raise BuildError(str(e)) from None
-    # The Triton plugins and the CUDA engine step exist (plugins/*/triton_*.py,
-    # runtime/cuda_graphs.py) but have not run on a GPU yet: no plan is built until they have.
+    # The Triton kernels and the CUDA-graph decode ladder pass the gpu test tier on an H200,
+    # but a whole GPU plan has not yet been built, loaded and served there with the torch this
+    # version pins: no GPU plan is built until one has.
     raise BuildError(f"target.device {spec.target.device!r}: this version of kiln builds CPU "
                      "plans; its CUDA engine path has not been validated on hardware yet. "
                      "Set target.device: cpu.")

@@ -35,7 +35,7 @@ def _shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, h_ptr, K, R,
     s, pid_m = tl.program_id(0), tl.program_id(1)
     pos, tok, mmask, any_rows = segment_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M)
     if any_rows:
-        tok = tok.to(tl.int64)
+        t64 = tok.to(tl.int64)      # a new name: Triton keeps a variable's type across an if
         rr = tl.arange(0, BLOCK_R)
         rmask = rr < R
         a_s = a_ptr + s.to(tl.int64) * R * K
@@ -43,7 +43,7 @@ def _shrink_kernel(x_ptr, a_ptr, order_ptr, starts_ptr, h_ptr, K, R,
         for k0 in range(0, K, BLOCK_K):
             rk = k0 + tl.arange(0, BLOCK_K)
             kmask = rk < K
-            xs = tl.load(x_ptr + tok[:, None] * K + rk[None, :],
+            xs = tl.load(x_ptr + t64[:, None] * K + rk[None, :],
                          mask=mmask[:, None] & kmask[None, :], other=0.0)
             a = tl.load(a_s + rr[None, :].to(tl.int64) * K + rk[:, None],
                         mask=kmask[:, None] & rmask[None, :], other=0.0)
@@ -59,7 +59,7 @@ def _expand_kernel(h_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, out_ptr, N, 
     s, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos, tok, mmask, any_rows = segment_rows(order_ptr, starts_ptr, s, pid_m, BLOCK_M)
     if any_rows:
-        tok = tok.to(tl.int64)
+        t64 = tok.to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
         rr = tl.arange(0, BLOCK_R)
@@ -69,7 +69,7 @@ def _expand_kernel(h_ptr, b_ptr, scales_ptr, order_ptr, starts_ptr, out_ptr, N, 
         b = tl.load(b_ptr + s.to(tl.int64) * N * R + rn[None, :].to(tl.int64) * R + rr[:, None],
                     mask=rmask[:, None] & nmask[None, :], other=0.0)
         delta = tl.dot(h, b, input_precision=DOT_PRECISION) * tl.load(scales_ptr + s)
-        optr = out_ptr + tok[:, None] * N + rn[None, :]
+        optr = out_ptr + t64[:, None] * N + rn[None, :]
         omask = mmask[:, None] & nmask[None, :]
         tl.store(optr, tl.load(optr, mask=omask, other=0.0) + delta, mask=omask)
 

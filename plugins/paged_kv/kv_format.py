@@ -93,7 +93,9 @@ def encode(x, dtype):
         codes = torch.round(y).clamp_(-top, top).to(torch.int8).view(torch.uint8)
     else:
         codes = y.clamp_(-top, top).to(dtype).view(torch.uint8)
-    scale = (amax / top).contiguous().view(torch.uint8)                  # [..., 4]
+    # a tensor divisor: CUDA divides by a Python number as a multiply by its reciprocal,
+    # which can miss the CPU's and the kernels' scale by one bit
+    scale = (amax / torch.full_like(amax, top)).contiguous().view(torch.uint8)   # [..., 4]
     return torch.cat([codes, scale], dim=-1).view(dtype)
 
 

@@ -69,7 +69,7 @@ def _e4m3_bits(y):
     e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     e = tl.maximum(e, -6)
     ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    r = _rne(a / ulp).to(tl.int32)
+    r = _rne(tl.math.div_rn(a, ulp)).to(tl.int32)
     return (sign << 7) | (((e + 7) << 3) + r - 8)
 
 
@@ -92,8 +92,10 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
             top = 127.0
         else:
             top = 448.0
-        # top / amax as one division, then a multiply: the reference's exact roundings
-        inv = tl.where(amax > 0, top / tl.where(amax > 0, amax, 1.0), 0.0)
+        # top / amax as one division, then a multiply: the reference's exact roundings. GPU
+        # code's `/` is an approximate division (2 ulp): div_rn rounds as IEEE and torch do
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + top, safe), 0.0)
         y = tl.minimum(tl.maximum(xf * inv, -top), top)
         if QUANT == 1:
             code = _rne(y).to(tl.int32)
@@ -101,7 +103,7 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
             code = _e4m3_bits(y)
         byte_ptr = cache_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
         tl.store(byte_ptr + off, (code & 0xFF).to(tl.uint8), mask=m)
-        scale_bits = (amax / top).to(tl.int32, bitcast=True)               # [BLOCK_T, 1]
+        scale_bits = tl.math.div_rn(amax, tl.zeros_like(amax) + top).to(tl.int32, bitcast=True)               # [BLOCK_T, 1]
         i4 = tl.arange(0, 4)[None, :]
         tl.store(byte_ptr + rows[:, None] + D + i4,
                  ((scale_bits >> (8 * i4)) & 0xFF).to(tl.uint8), mask=t_mask[:, None])
@@ -206,9 +208,10 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
         rows = ((blk.to(tl.int64) * BS + n % BS) * KVH + kvh) * W
         kt = _load_rows(k_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         vt = _load_rows(v_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
-        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale
+        # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * tl.cast(scale, tl.float32)
         if SOFTCAP:
-            s = _softcap(s, softcap)
+            s = _softcap(s, tl.cast(softcap, tl.float32))
         allowed = (n[None, :] <= qpos[:, None]) & n_valid[None, :]
         if WINDOWED:
             allowed = allowed & (n[None, :] > qpos[:, None] - window)

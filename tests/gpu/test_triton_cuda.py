@@ -62,8 +62,9 @@ def test_quant_linear_triton_matches_reference(scheme, gs, m, dtype):
     if scheme == "fp8" and _sm() < 89:
         pytest.skip("E4M3 needs sm_89")
     g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 576, generator=g).to(dtype).cuda()
-    qw = formats.quantize(torch.randn(1536, 576, generator=g) * 0.05, scheme, gs)
+    K = 768                                        # divisible by every int4 group size
+    x = torch.randn(m, K, generator=g).to(dtype).cuda()
+    qw = formats.quantize(torch.randn(1536, K, generator=g) * 0.05, scheme, gs)
     qw = formats.QuantizedWeight(qw.scheme, qw.qweight.cuda(), qw.scales.cuda(),
                                  None if qw.zeros is None else qw.zeros.cuda(), qw.group_size,
                                  qw.shape)

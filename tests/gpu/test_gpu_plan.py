@@ -32,6 +32,15 @@ def _agreeing_prefix(a, b) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def _refused_at_build():
+    from kiln.builder.build import BuildError
+    return BuildError
+
+
+# The builder refuses GPU targets until a whole plan has been built, loaded and served on a GPU
+# with the pinned torch (builder/build.py check_build_machine): this test is what lifts it.
+@pytest.mark.xfail(raises=_refused_at_build(), strict=True,
+                   reason="GPU plans are refused at build until validated end to end")
 @pytest.mark.parametrize("weights", ["bf16", "int8"])
 def test_random_plan_builds_and_serves_on_this_gpu(tmp_path, weights):
     from kiln.builder.build import build

@@ -338,11 +338,12 @@ class PlanStore:
 
     def prune(self, name: str, keep: int) -> list[str]:
         """Remove all but the `keep` newest plans of `name`; the current one always stays
-        (and, after a rollback, the plan it rolled back from)."""
+        (and, after a rollback, the plan it rolled back from), and so does one that a stored
+        plan drafts with (speculative method draft: it cannot serve without it)."""
         with self.lock():         # the pointer cannot move while this decides and removes
             ptr = self.pointer(name)
             plans = [fp for fp, _ in self.plans_of(name)]
-            kept = set(plans[:max(keep, 0)])
+            kept = set(plans[:max(keep, 0)]) | self.drafts_in_use()
             if ptr is not None:   # the current plan, and the one a rollback came from
                 kept |= {ptr.fingerprint, ptr.pinned_from}
             removed = [fp for fp in plans if fp not in kept]
@@ -356,6 +357,17 @@ class PlanStore:
                 self._write_pointer(dataclasses.replace(
                     ptr, history=tuple(h for h in ptr.history if h not in removed)))
             return removed
+
+    def drafts_in_use(self) -> set[str]:
+        """Fingerprints of the draft plans the stored plans record (speculative.draft)."""
+        used = set()
+        if self.plans.is_dir():
+            for d in self.plans.iterdir():
+                spec = (_read_json(d / MANIFEST) or {}).get("speculative")
+                draft = spec.get("draft") if isinstance(spec, dict) else None
+                if isinstance(draft, dict) and isinstance(draft.get("fingerprint"), str):
+                    used.add(draft["fingerprint"])
+        return used
 
     def _remove(self, plan_dir: Path) -> None:
         """Remove a plan directory; renamed away first, so a reader never sees a half-deleted

@@ -11,12 +11,16 @@ from kiln.builder.plan_ci.store import PlanStore, StoreError
 pytestmark = pytest.mark.unit
 
 
-def fake_plan(store: PlanStore, name: str, fp: str, created: str) -> None:
+def fake_plan(store: PlanStore, name: str, fp: str, created: str,
+              draft: str | None = None) -> None:
+    """A plan of `name` under fingerprint fp (draft: the fingerprint of its draft plan)."""
     d = store.staging_dir(name)
     (d / "engine.pt2").write_bytes(b"x" * 10)
+    extra = {} if draft is None else {"speculative": {"method": "draft", "draft": {
+        "name": "d", "fingerprint": draft, "path": f"../{draft}"}}}
     (d / "plan.json").write_text(json.dumps({
         "name": name, "fingerprint": fp, "created_at": created,
-        "files": {"engine.pt2": {"size": 10, "sha256": "0" * 64}}}))
+        "files": {"engine.pt2": {"size": 10, "sha256": "0" * 64}}, **extra}))
     store.add_plan(d, fp, PlanRecord(name=name))
     assert not d.exists()
 
@@ -48,6 +52,24 @@ def test_publish_rollback_and_prune(tmp_path):
     assert s.pointer("m").history == ("f4",) and s.record("f2") is None
     assert s.current("other") == "o1"                      # another spec is never touched
     assert s.rollback("m", to="f4").pinned_from is None    # back on the spec's own plan
+
+
+def test_prune_keeps_a_draft_plan_a_stored_plan_drafts_with(tmp_path):
+    """Draft plans d1..d3 of spec "d"; target t1 (kept by its own spec) drafts with d1:
+    pruning "d" to one plan keeps the newest (d3) and d1, removes d2; once t1 is pruned
+    too, d1 goes at the next prune."""
+    s = PlanStore(tmp_path / "store")
+    for i, fp in enumerate(["d1", "d2", "d3"]):
+        fake_plan(s, "d", fp, f"2025-01-0{i + 1}T00:00:00Z")
+        s.set_current("d", fp)
+    fake_plan(s, "t", "t1", "2025-01-01T00:00:00Z", draft="d1")
+    fake_plan(s, "t", "t2", "2025-01-02T00:00:00Z", draft="d3")
+    s.set_current("t", "t2")
+    assert s.drafts_in_use() == {"d1", "d3"}
+    assert s.prune("d", keep=1) == ["d2"]
+    assert s.prune("t", keep=1) == ["t1"]
+    assert s.prune("d", keep=1) == ["d1"]
+    assert sorted(p.name for p in s.plans.iterdir()) == ["d3", "t2"]
 
 
 def test_incomplete_plan_is_not_in_the_store(tmp_path):

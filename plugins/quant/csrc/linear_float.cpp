@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "dequant_gemv.h"
+#include "gemm_f32_dot.h"
 
 namespace {
 
@@ -56,6 +57,8 @@ struct F32Dec {
 // out^T = W x^T, the weight the tall left operand: MKL's sgemm is about twice as fast that way
 // round on SmolLM2's 32 x 576 @ 576 x 49152 (AMD AVX2, 2 threads; docs/PERFORMANCE.md), and
 // gives the same bits at 16 and 32 rows. The transposed copy of out is M x N floats.
+// AVX2 builds take 8-64 rows to gemm_f32_dot.h's kernel instead (faster there, and a row's
+// bits do not depend on the batch); this path serves AVX-512 builds and builds without AVX2.
 constexpr int64_t kTallMinN = 16384;
 constexpr int64_t kTallMaxM = 64;
 
@@ -65,6 +68,15 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous(),
               op, ": weight must be contiguous float32 [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
+  F32Dec d{weight.data_ptr<float>(), K};
+#if KILN_F32_DOT
+  if (x.dim() == 2 && x.size(0) >= kDotMinM && x.size(0) <= kDotMaxM) {   // a decode batch
+    Prepared p = prepare(x, N, K, bias, op);
+    const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+    if (N > 0) dot_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());
+    return p.result(x);
+  }
+#endif
   if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
     Prepared p = prepare(x, N, K, bias, op);
     if (!p.bias.defined() && N >= kTallMinN && x.size(0) <= kTallMaxM)
@@ -75,7 +87,6 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
       at::mm_out(p.out, p.x, weight.t());
     return p.result(x);
   }
-  F32Dec d{weight.data_ptr<float>(), K};
   return run(d, x, N, K, bias, op);
 }
 

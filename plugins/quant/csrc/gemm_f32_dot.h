@@ -1,0 +1,113 @@
+// kiln::linear_fp32 at a decode batch's rows of x (kDotMinM..kDotMaxM): out = x W^T on the
+// weight as the plan holds it ([N, K] row-major: no packed copy, the tied lm_head reads the
+// embedding's own buffer).
+//
+// x is copied transposed in blocks of 8 rows (xt [Mp / 8, K, 8], Mp = M rounded up to 8,
+// zero-padded), so a vector holds one k of 8 rows of x; a tile keeps NR weight rows x MB
+// vectors of rows in registers (2 x 6 or 1 x 12 accumulators) and per k broadcasts each
+// weight w[n, k] against the MB vectors: no horizontal sums, MB + NR loads per MB * NR FMAs.
+// A thread takes kDotGroup weight rows (27 KiB at K = 576: they stay in L1) through every
+// tile of xt (from L2), so each weight is read from memory once a call.
+//
+// Each output is one FMA chain over k = 0 .. K-1 in order, then + bias: the same bits
+// whichever tile or number of rows (from kDotMinM) the row is computed in -- a row's output
+// does not depend on the batch.
+//
+// AVX2 builds only: faster than MKL's sgemm on the AMD EPYC AVX2 host (bench/linear_fp32_dot.py,
+// docs/PERFORMANCE.md), but on an Intel Xeon with AVX-512 (AMX; quiet, 2 threads, 32 rows)
+// MKL took 0.69-0.87 of its time, with 512-bit vectors in 2 x 12 tiles as with these, so
+// AVX-512 builds and builds without AVX2 keep BLAS (linear_float.cpp).
+#pragma once
+
+#include <vector>
+
+#include "dequant_gemv.h"
+
+namespace kiln_gemv {
+
+constexpr int64_t kDotMinM = kTileMinM;
+constexpr int64_t kDotMaxM = 64;
+
+#if KILN_QUANT_AVX2 && !defined(__AVX512F__)
+#define KILN_F32_DOT 1
+constexpr int64_t kDotGroup = 12;   // weight rows a thread takes at a time
+using dvec = __m256;                // 16 registers: tiles of 2 x 6 or 1 x 12 accumulators
+constexpr int kDotL = 8;
+constexpr int kDotMB = 2;
+inline dvec dload(const float* p) { return _mm256_loadu_ps(p); }
+inline dvec dset1(float v) { return _mm256_set1_ps(v); }
+inline dvec dzero() { return _mm256_setzero_ps(); }
+inline dvec dfma(dvec a, dvec b, dvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void dstore(float* p, dvec v) { _mm256_storeu_ps(p, v); }
+
+// Rows [m0, m0 + MB * kDotL) of xt against weight rows n .. n + NR: out rows m0..
+// (those < M). With `prefetch`, the group of weight rows after this one is asked into L2.
+template <int MB, int NR>
+inline void dot_tile(const float* xt, int64_t m0, int64_t M, const float* w,
+                     int64_t K, int64_t n, const float* bias, float* out, int64_t N,
+                     bool prefetch) {
+  dvec acc[NR][MB];
+  for (int i = 0; i < NR; ++i)
+    for (int b = 0; b < MB; ++b) acc[i][b] = dzero();
+  const float* wn = w + n * K;
+  const float* xp = xt + m0 * K;   // block m0 / L, then the next MB - 1
+  for (int64_t k = 0; k < K; ++k) {
+    if (prefetch && k % 16 == 0)
+      for (int i = 0; i < NR; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(wn + (kDotGroup + i) * K + k), _MM_HINT_T1);
+    dvec xv[MB];
+    for (int b = 0; b < MB; ++b) xv[b] = dload(xp + (b * K + k) * kDotL);
+    for (int i = 0; i < NR; ++i) {
+      const dvec wb = dset1(wn[i * K + k]);
+      for (int b = 0; b < MB; ++b) acc[i][b] = dfma(wb, xv[b], acc[i][b]);
+    }
+  }
+  float col[MB * kDotL];
+  const int64_t rows = std::min<int64_t>(MB * kDotL, M - m0);
+  for (int i = 0; i < NR; ++i) {
+    for (int b = 0; b < MB; ++b) dstore(col + b * kDotL, acc[i][b]);
+    const float bn = bias ? bias[n + i] : 0.0f;
+    for (int64_t r = 0; r < rows; ++r) out[(m0 + r) * N + n + i] = col[r] + bn;
+  }
+}
+
+// Every row of x against weight rows n .. n + R (R = kDotGroup, or 1 for the last N % group).
+template <int R>
+inline void dot_rows(const float* xt, int64_t Mp, int64_t M, const float* w, int64_t K,
+                     int64_t n, const float* bias, float* out, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += kDotMB * kDotL) {
+    const bool first = m0 == 0;
+    if (Mp - m0 >= kDotMB * kDotL) {
+      constexpr int NR = R == 1 ? 1 : R / 2;   // two 2 x 6 tiles: 12 of the 16 registers
+      for (int i = 0; i < R; i += NR)
+        dot_tile<kDotMB, NR>(xt, m0, M, w, K, n + i, bias, out, N, first);
+    } else {
+      dot_tile<1, R>(xt, m0, M, w, K, n, bias, out, N, first);
+    }
+  }
+}
+
+// out [M, N] = x [M, K] W^T (+ bias), w [N, K]; parallel over groups of kDotGroup weight rows.
+inline void dot_gemm(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
+                     const float* bias, float* out) {
+  const int64_t Mp = (M + kDotL - 1) / kDotL * kDotL;
+  std::vector<float> xt(static_cast<size_t>(K * Mp), 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[((m / kDotL) * K + k) * kDotL + m % kDotL] = x[m * K + k];
+  const int64_t groups = (N + kDotGroup - 1) / kDotGroup;
+  const int64_t group_bytes = kDotGroup * K * static_cast<int64_t>(sizeof(float));
+  kiln::parallel_chunks(groups, kiln::chunk_items(groups, group_bytes, 64 << 10),
+                        [&](int64_t g0, int64_t g1) {
+    for (int64_t n = g0 * kDotGroup; n < std::min(N, g1 * kDotGroup); n += kDotGroup) {
+      if (n + kDotGroup <= N)
+        dot_rows<kDotGroup>(xt.data(), Mp, M, w, K, n, bias, out, N);
+      else
+        for (int64_t i = n; i < N; ++i) dot_rows<1>(xt.data(), Mp, M, w, K, i, bias, out, N);
+    }
+  });
+}
+#else
+#define KILN_F32_DOT 0
+#endif
+
+}  // namespace kiln_gemv

@@ -1,0 +1,49 @@
+"""kiln::linear_fp32 at a decode batch's rows (8-64 rows of x: gemm_f32_dot.h's register-blocked
+kernel on AVX2 builds, BLAS on others): x W^T (+ bias) within fp32 rounding on shapes that
+leave partial tiles (N not a multiple of the 12-row group, rows not a multiple of 8), and on
+AVX2 builds a row's output the same bits at every number of rows from 8 to 64 (MKL's sgemm
+gave other bits at 9-11 rows than at 64)."""
+import pytest
+import torch
+
+from kiln.plugins import isa
+from kiln.plugins.quant import kernels
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels():
+    kernels.load()
+
+
+def _ref(x, w, bias=None):
+    out = x.double() @ w.double().t()
+    return (out if bias is None else out + bias.double()).float()
+
+
+@pytest.mark.parametrize("n,k", [(100, 37), (576, 576), (25, 1536)])
+@pytest.mark.parametrize("m", [8, 9, 17, 32, 33, 64])
+def test_matches_x_wt(m, n, k):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    got = torch.ops.kiln.linear_fp32(x, w, None)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got, _ref(x, w), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(torch.ops.kiln.linear_fp32(x, w, bias), _ref(x, w, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(isa.host_level().name != "avx2",
+                    reason="the dot kernel is in AVX2 builds only (kernels.load: this host's)")
+def test_row_does_not_depend_on_batch():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(150, 200, generator=g), torch.randn(64, 200, generator=g)
+    bias = torch.randn(150, generator=g)
+    full = torch.ops.kiln.linear_fp32(x, w, bias)
+    for m in range(8, 65):
+        got = torch.ops.kiln.linear_fp32(x[:m], w, bias)
+        assert torch.equal(got, full[:m]), f"{m} rows"
+        # the same rows anywhere in the batch: the last m rows alone
+        assert torch.equal(torch.ops.kiln.linear_fp32(x[64 - m:], w, bias), full[64 - m:]), m

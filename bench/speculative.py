@@ -7,7 +7,8 @@
 Two in-process Engines over the same plan: one with speculation (n-gram, or with
 --draft-plan a draft model: that plan, loaded beside the target, proposes; --draft tokens)
 and one without. At each concurrency of --streams, each round runs the prompts on each
-engine alternately, that many requests at a time (a batch of 1 is one request alone; a
+engine alternately (each group of prompts on one side then the other, the side that goes
+first alternating), that many requests at a time (a batch of 1 is one request alone; a
 larger one cycles the prompts to fill it), greedy: (a) input-grounded prompts (quote, edit
 or repeat a given text: the output copies the input, where prompt lookup proposes well) and
 (b) open chat prompts. Reported per kind, concurrency and side: output tokens/s (sum of
@@ -130,9 +131,12 @@ def measure(engines: dict[str, Engine], groups: list[list[str]], params: Samplin
     side = next(k for k in engines if k != "off")
     spec = engines[side]
     before = spec.stats()
-    for _ in range(rounds):
+    for r in range(rounds):
         for i, group in enumerate(groups):
-            for k, e in engines.items():
+            # alternate which side runs first (off, spec; then spec, off; ...): a fixed
+            # order would put any drift of a shared machine on one side
+            order = list(engines.items())[::1 if (r + i) % 2 == 0 else -1]
+            for k, e in order:
                 res, dt = run_batch(e, group, params)
                 tokens[k] += sum(len(r.token_ids) for r in res)
                 seconds[k] += dt
@@ -141,13 +145,14 @@ def measure(engines: dict[str, Engine], groups: list[list[str]], params: Samplin
     after = spec.stats()
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    draft_steps = after["spec_draft_model_steps"] - before["spec_draft_model_steps"]
     tps = {k: tokens[k] / seconds[k] for k in engines}
     return {"streams": len(groups[0]),
             "tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
             "tpot_ms": {k: round(1000 * sum(v) / len(v), 2) if v else None
                         for k, v in tpots.items()},
             "speedup": round(tps[side] / tps["off"], 3),
-            "drafted": drafted, "accepted": accepted,
+            "drafted": drafted, "accepted": accepted, "draft_model_steps": draft_steps,
             "acceptance": round(accepted / drafted, 3) if drafted else None,
             "identical": outputs[side] == outputs["off"]}
 

@@ -164,18 +164,21 @@ class _DraftSeq:
     """One target request's sequence in the draft's pool."""
     tokens: list[int] = field(default_factory=list)   # whose K/V is in the pool, in order
     block_table: list[int] = field(default_factory=list)
-    made_for: int = -1          # the target's num_tokens the drafts below were made for
-    drafts: list[int] = field(default_factory=list)
-    asked: bool = False         # the engine asked for its drafts since they were made
 
 
 class DraftModel:
-    """Proposes drafts with a draft plan, greedily, batched over the speculating sequences.
+    """Proposes drafts with a draft plan, greedily, batched over a step's speculating
+    sequences.
 
-    `propose(seq, k)` is asked per sequence (plugins.inflight_batching DraftPolicy); the
-    first ask of a step drafts at once for every running sequence (`running()`) whose drafts
-    were asked for last time (a sequence the engine stops asking for, its acceptance too
-    low, drops out of the batch)."""
+    `propose(seqs, ks)` is asked once per step that speculates (plugins.inflight_batching
+    DraftPolicy), with each sequence's number of drafts (0: none this step); the draft plan
+    runs only for those with drafts, and only what they need: the catch-up of their tokens it
+    has not computed, then max(k) - 1 batched decodes. Nothing else runs on the draft plan:
+    a step that does not speculate (a larger batch, a prompt in prefill) costs it nothing, and
+    a sequence's draft KV is only caught up when it drafts. A sequence whose catch-up would
+    cost more draft positions than drafting all of the rest of its output can (max_draft_tokens
+    a token) does not draft: one that reaches a small batch near its end, its long history
+    never seen by the draft, decodes one token a step instead."""
 
     def __init__(self, executor: Executor, max_draft_tokens: int, max_batch: int,
                  max_num_tokens: int, max_seq_len: int):
@@ -184,10 +187,10 @@ class DraftModel:
         self.max_num_tokens, self.max_seq_len = max_num_tokens, max_seq_len
         self.pool = BlockPool(executor.layout.num_blocks, executor.layout.tokens_per_block,
                               prefix_caching=False)
-        self.running: Callable[[], Sequence[TokenSequence]] = lambda: ()
         self._seqs: dict[str, _DraftSeq] = {}
         self.plan_path: Optional[Path] = None   # the draft plan's directory (from_plan)
         self.num_steps = 0          # draft steps run
+        self.num_positions = 0      # tokens computed by the draft plan (catch-up and decodes)
         self.num_proposals = 0      # sequences drafted for (a draft step serves several)
 
     @classmethod
@@ -216,15 +219,12 @@ class DraftModel:
         return cls.from_plan(draft, max_draft_tokens, max_batch, kv_budget_bytes)
 
     @staticmethod
-    def attach(drafter: Optional["DraftModel"], speculative,
-               running: Callable[[], Sequence[TokenSequence]]) -> Optional["DraftModel"]:
-        """An engine's drafter (None: it has none), given its running sequences; ValueError
-        unless there is one exactly when speculative (a SpeculativeConfig) is method draft."""
+    def attach(drafter: Optional["DraftModel"], speculative) -> Optional["DraftModel"]:
+        """An engine's drafter (None: it has none); ValueError unless there is one exactly
+        when speculative (a SpeculativeConfig) is method draft."""
         if (speculative is not None and speculative.method == "draft") != (drafter is not None):
             raise ValueError("speculative method 'draft' needs a draft model (drafter), and "
                              "only it does")
-        if drafter is not None:
-            drafter.running = running
         return drafter
 
     @classmethod
@@ -252,53 +252,48 @@ class DraftModel:
         if st is not None:
             self.pool.free(st.block_table)
 
-    def propose(self, seq: TokenSequence, k: int) -> list[int]:
-        """Up to k drafts continuing seq's tokens ([] when the draft has no room)."""
-        st = self._seqs.setdefault(seq.request_id, _DraftSeq())
-        if st.made_for != seq.num_tokens:
-            batch = [seq] + [s for s in self.running() if s is not seq and not s.is_finished
-                             and s.num_tokens - s.num_computed_tokens == 1
-                             and self._stale_and_asked(s)][:self.max_batch - 1]
-            self._draft(batch)
-        st.asked = True
-        return st.drafts[:k] if st.made_for == seq.num_tokens else []
-
-    def _stale_and_asked(self, seq: TokenSequence) -> bool:
-        st = self._seqs.get(seq.request_id)
-        return st is not None and st.asked and st.made_for != seq.num_tokens
-
-    # ---- drafting ------------------------------------------------------------------------
-    def _draft(self, seqs: list[TokenSequence]) -> None:
-        """Catch each sequence's draft KV up with its tokens, then k greedy steps."""
-        ready, want = [], []
-        keep = {s.request_id for s in seqs}
-        for seq in seqs:
-            st = self._seqs.setdefault(seq.request_id, _DraftSeq())
-            st.made_for, st.drafts, st.asked = seq.num_tokens, [], False
-            n = min(self.k, self.max_seq_len - seq.num_tokens,
-                    seq.num_prompt_tokens + seq.max_tokens - seq.num_tokens)
-            if n < 1:
+    def propose(self, seqs: Sequence[TokenSequence], ks: Sequence[int]) -> list[list[int]]:
+        """Up to ks[i] drafts continuing seqs[i]'s tokens, drafted as one batch; [] for a
+        sequence with ks[i] == 0, one whose catch-up costs too much (the class docstring),
+        and one the draft's KV has no room for."""
+        ready: list[tuple[TokenSequence, _DraftSeq]] = []
+        want: list[int] = []
+        rows: dict[str, int] = {}
+        keep = {s.request_id for s, k in zip(seqs, ks) if k > 0}
+        for seq, k in zip(seqs, ks):
+            left = min(seq.num_prompt_tokens + seq.max_tokens, self.max_seq_len) - seq.num_tokens
+            n = min(k, self.k, left)
+            if n < 1 or len(ready) >= self.max_batch:
                 continue
+            st = self._seqs.setdefault(seq.request_id, _DraftSeq())
             self._sync(st, seq.token_ids)
+            if seq.num_tokens - len(st.tokens) > self.k * left:
+                continue           # its catch-up would cost more than its drafts can save
             if not self._room(st, seq.num_tokens + n - 1, keep):
                 continue           # the draft's KV is full: no drafts for this one
+            rows[seq.request_id] = len(ready)
             ready.append((seq, st))
             want.append(n)
-        if not ready:
-            return
+        drafts = self._draft(ready, want) if ready else []
+        return [drafts[rows[s.request_id]] if s.request_id in rows else [] for s in seqs]
+
+    # ---- drafting ------------------------------------------------------------------------
+    def _draft(self, ready: list[tuple[TokenSequence, _DraftSeq]], want: list[int]
+               ) -> list[list[int]]:
+        """Catch each sequence's draft KV up with its tokens, then greedy decodes: want[i]
+        drafts for ready[i], max(want) - 1 decode steps in all."""
         self.num_proposals += len(ready)
-        firsts = self._catch_up(ready)
-        for (seq, st), d in zip(ready, firsts):
-            st.drafts.append(d)
+        drafts = [[d] for d in self._catch_up(ready)]
         for j in range(1, max(want)):     # decode step j feeds each sequence's draft j
-            rows = [(seq, st) for (seq, st), n in zip(ready, want) if n > j]
-            batch = ModelInput.build([[st.drafts[-1]] for _, st in rows],
-                                     [len(st.tokens) for _, st in rows],
-                                     [st.block_table for _, st in rows],
+            rows = [i for i, n in enumerate(want) if n > j]
+            batch = ModelInput.build([[drafts[i][-1]] for i in rows],
+                                     [len(ready[i][1].tokens) for i in rows],
+                                     [ready[i][1].block_table for i in rows],
                                      self.pool.tokens_per_block)
-            for (seq, st), d in zip(rows, self._argmax(batch)):
-                st.tokens.append(st.drafts[-1])
-                st.drafts.append(d)
+            for i, d in zip(rows, self._argmax(batch)):
+                ready[i][1].tokens.append(drafts[i][-1])
+                drafts[i].append(d)
+        return drafts
 
     def _sync(self, st: _DraftSeq, tokens: list[int]) -> None:
         """Roll the draft's KV back to its longest prefix the target's tokens share (at most
@@ -352,5 +347,6 @@ class DraftModel:
 
     def _argmax(self, batch: ModelInput) -> list[int]:
         self.num_steps += 1
+        self.num_positions += int(batch.input_ids.shape[0])
         logits = self.executor.execute(batch)
         return torch.argmax(logits, dim=-1).tolist()

@@ -110,7 +110,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.executor = executor
         self.speculative = speculative
-        self.drafter = DraftModel.attach(drafter, speculative, lambda: self.scheduler.running)
+        self.drafter = DraftModel.attach(drafter, speculative)
         self.scheduler = Scheduler(config, executor.layout.num_blocks, None if speculative is None
                                    else DraftPolicy(speculative.max_batch, self._propose))
         self.model_runner = ModelRunner(executor, Sampler())
@@ -177,28 +177,39 @@ class Engine:
         step_output = self.model_runner.execute(scheduler_output)
         return self.update(scheduler_output, step_output)
 
-    def _propose(self, seq: TokenSequence, k: int) -> list[int]:
-        """Up to k n-gram drafts for a request without a constraint or logprobs; [] for
-        any other (they decode one token a step)."""
+    def _propose(self, seqs: list[TokenSequence], limits: list[int]) -> list[list[int]]:
+        """Drafts for a step's decoding sequences, each at most its limit and what its
+        request's DraftRecord allows now; none for a request with a constraint or logprobs
+        (they decode one token a step). A draft model drafts them as one batch."""
+        spec = self.speculative
+        ks = [min(k, spec.max_draft_tokens, self._allowed(s)) if k > 0 else 0
+              for s, k in zip(seqs, limits)]
+        if self.drafter is not None:
+            return self.drafter.propose(seqs, ks)
+        out = []
+        for seq, k in zip(seqs, ks):
+            req = self._requests.get(seq.request_id)
+            if k < 1 or req is None:
+                out.append([])
+                continue
+            if req.lookup is None:
+                req.lookup = NgramIndex(spec.ngram_min, spec.ngram_max)
+            out.append(req.lookup.propose(seq.token_ids, k))
+        return out
+
+    def _allowed(self, seq: TokenSequence) -> int:
+        """Drafts seq's request may bring this step (its DraftRecord, made on first ask)."""
         state = seq.sampling
         if state is None or state.guide is not None or state.params.logprobs is not None:
-            return []
+            return 0
         req = self._requests.get(seq.request_id)
         if req is None:
-            return []
+            return 0
         if req.drafts is None:
             asked = seq.sampling.params.max_draft_tokens
             req.drafts = DraftRecord(self.speculative.max_draft_tokens if asked is None
                                      else asked, adapt=self.drafter is not None)
-        k = min(k, req.drafts.limit())
-        if k < 1:
-            return []
-        if self.drafter is not None:
-            return self.drafter.propose(seq, min(k, self.speculative.max_draft_tokens))
-        if req.lookup is None:
-            spec = self.speculative
-            req.lookup = NgramIndex(spec.ngram_min, spec.ngram_max)
-        return req.lookup.propose(seq.token_ids, min(k, self.speculative.max_draft_tokens))
+        return req.drafts.limit()
 
     def update(self, sched: SchedulerOutput, step: StepOutput) -> list[RequestOutput]:
         """Apply a step's tokens; deliver one output per request that advanced."""
@@ -545,6 +556,8 @@ class Engine:
                 "tokens_generated": self.scheduler.num_generated_tokens,
                 "spec_draft_tokens": self.model_runner.num_drafted,
                 "spec_accepted_tokens": self.model_runner.num_accepted,
+                "spec_draft_model_steps": self.drafter.num_steps if self.drafter else 0,
+                "spec_draft_model_positions": self.drafter.num_positions if self.drafter else 0,
                 "requests_finished": self.num_finished}
 
     def shutdown(self, timeout: float = 30.0) -> None:

@@ -19,8 +19,9 @@ each emitted token (model_runner), so its tokens are the ones it gets without sp
 
 Which requests speculate: any without an output constraint or logprobs (guided and logprobs
 requests decode one token a step). Which steps: those with at most `max_batch` decoding
-sequences; a larger batch is closer to compute-bound, where the extra positions cost about
-what they save. How many: up to max_draft_tokens; a draft model's, fewer for a request
+sequences and no prefill work; a larger batch is closer to compute-bound, where the extra
+positions cost about what they save, and a step with a prompt chunk or an admission is larger
+anyway (any other step costs a draft model nothing: plugins.inflight_batching). How many: up to max_draft_tokens; a draft model's, fewer for a request
 whose recent drafts were rejected (DraftRecord: each of its drafts costs a draft-plan step);
 n-gram's, at most twice the length of the suffix that matched (a lookup costs nothing, a
 rejected draft one position of the verify step, so the match is the evidence, not the

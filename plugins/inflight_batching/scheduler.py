@@ -15,7 +15,9 @@ admissions from the waiting queue (FIFO), under `max_batch_size` sequences and
 budget leaves): the throughput/latency trade of mixing prompts into decode steps. A large
 prefill chunk makes that step, and so every running stream's next token, wait for it; a
 small one spreads the same prompts over more steps, each of which reads all the weights again,
-and delays the new requests' first tokens. Steps without decodes always take the whole budget.
+and delays the new requests' first tokens. Steps without decodes always take the whole budget. Speculative decoding (a DraftPolicy)
+adds drafts behind the decodes' tokens only in steps of decodes alone, at most its max_batch
+of them: a step with prefill work, or a larger batch, costs the drafter nothing.
 Policies decide admission when blocks are scarce:
 
 - guaranteed_no_evict: admit only when the prompt and all of max_tokens fit in blocks not
@@ -182,11 +184,12 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class DraftPolicy:
-    """Speculative decoding as the scheduler sees it: `propose(seq, k)` -> up to k draft
-    tokens for a decoding sequence ([] for one that does not speculate), asked only in steps
-    with at most `max_batch` decoding sequences."""
+    """Speculative decoding as the scheduler sees it: `propose(seqs, limits)` -> for each
+    decoding sequence of a step, up to limits[i] draft tokens ([] for one that does not
+    speculate; limits[i] may be 0), asked once per step and only in steps of at most
+    `max_batch` decoding sequences and no prefill work."""
     max_batch: int
-    propose: Callable[["TokenSequence", int], list[int]]
+    propose: Callable[[list["TokenSequence"], list[int]], list[list[int]]]
 
 
 class Scheduler:
@@ -272,19 +275,20 @@ class Scheduler:
         """Pick this step's sequences and token counts."""
         out = SchedulerOutput()
         budget = self.config.max_num_tokens
-        # 1. running decodes (one token each, plus drafts when speculating), oldest first;
+        # 1. running decodes (one token each; drafts join them in 4.), oldest first;
         # preempt the newest if blocks run out
-        per_seq = self._draft_allowance()
+        decodes: list[TokenSequence] = []
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and len(decodes) < budget:
             seq = self.running[i]
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 if not self._reserve_slot(seq, out):
                     break                  # seq itself was preempted (it was the newest)
-                drafts = self._draft(seq, min(per_seq, budget - 1)) if per_seq else []
-                self._put(out, seq, 1, drafts)
-                budget -= 1 + len(drafts)
+                decodes.append(seq)
             i += 1
+        for seq in decodes:
+            self._put(out, seq, 1)
+        budget -= len(decodes)
         cap = self.config.max_prefill_tokens_with_decodes
         if out.seqs and cap is not None:   # decodes run: prefill work joins them up to the cap
             budget = min(budget, cap)
@@ -316,6 +320,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self._put(out, seq, n)
             budget -= n
+        # 4. drafts behind the decodes' tokens, in a step of decodes alone
+        if len(out.seqs) == len(decodes) and self._speculates(len(decodes)):
+            self._add_drafts(out, decodes)
         return out
 
     def update(self, out: SchedulerOutput, step: StepOutput) -> list[TokenSequence]:
@@ -365,29 +372,37 @@ class Scheduler:
         return running, waiting
 
     # ---- speculative decoding -------------------------------------------------------------
-    def _draft_allowance(self) -> int:
-        """Drafts each decoding sequence may bring this step (0: no speculation): only with
-        at most drafts.max_batch decodes, and only what the token budget leaves once every
-        decode has its own token."""
-        if self.drafts is None:
-            return 0
-        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
-        if not 0 < decodes <= self.drafts.max_batch:
-            return 0
-        return max(0, (self.config.max_num_tokens - decodes) // decodes)
+    def _speculates(self, decodes: int) -> bool:
+        """Whether a step of `decodes` decoding sequences and no prefill work asks for
+        drafts: only with 1..drafts.max_batch of them. (A step with prefill work -- a running
+        prompt's chunk, an admission -- never does: it is larger anyway, drafts would take
+        its budget, and the draft model would start on sequences about to leave the
+        small-batch regime.)"""
+        return self.drafts is not None and 0 < decodes <= self.drafts.max_batch
 
-    def _draft(self, seq: TokenSequence, limit: int) -> list[int]:
-        """seq's drafts, at most `limit`, never past its last possible token (prompt +
-        max_tokens, max_seq_len), and only into blocks free now (drafts never preempt)."""
-        final = min(seq.num_prompt_tokens + seq.max_tokens, self.config.max_seq_len)
-        limit = min(limit, final - seq.num_tokens)
-        drafts = self.drafts.propose(seq, limit)[:limit] if limit > 0 else []
-        m = len(drafts)
-        while m and not self.pool.can_append(seq.block_table, seq.num_tokens + m):
-            m -= 1
-        if m:
-            self.pool.may_append(seq.block_table, seq.num_tokens + m)
-        return drafts[:m]
+    def _add_drafts(self, out: SchedulerOutput, decodes: list[TokenSequence]) -> None:
+        """Append drafts to the decodes' rows (out.seqs[:len(decodes)]): one ask of the policy
+        for all of them (a draft model drafts them as one batch), each at most what the token
+        budget leaves once every decode has its own token, never past its last possible
+        token (prompt + max_tokens, max_seq_len), and only into blocks free now (drafts never
+        preempt)."""
+        per_seq = (self.config.max_num_tokens - len(decodes)) // len(decodes)
+        limits = [max(0, min(per_seq, min(s.num_prompt_tokens + s.max_tokens,
+                                          self.config.max_seq_len) - s.num_tokens))
+                  for s in decodes]
+        if not any(limits):
+            return
+        for i, (seq, drafts, limit) in enumerate(zip(decodes, self.drafts.propose(decodes,
+                                                                                  limits),
+                                                     limits)):
+            m = min(len(drafts), limit)
+            while m and not self.pool.can_append(seq.block_table, seq.num_tokens + m):
+                m -= 1
+            if m:
+                self.pool.may_append(seq.block_table, seq.num_tokens + m)
+                out.drafts[i] = list(drafts[:m])
+                out.num_scheduled_tokens[i] += m
+                out.total_num_tokens += m
 
     def _advance_drafted(self, seq: TokenSequence, n: int, tok: Optional[int],
                          drafts: list[int], accepted: int) -> bool:
@@ -423,13 +438,9 @@ class Scheduler:
         return tok is not None
 
     # ---- internals ----------------------------------------------------------------------------
-    def _put(self, out: SchedulerOutput, seq: TokenSequence, n: int,
-             drafts: Optional[list[int]] = None) -> None:
+    def _put(self, out: SchedulerOutput, seq: TokenSequence, n: int) -> None:
         out.seqs.append(seq)
         out.sample.append(seq.num_computed_tokens + n == seq.num_tokens)
-        if drafts:
-            out.drafts[len(out.seqs) - 1] = drafts
-            n += len(drafts)
         out.num_scheduled_tokens.append(n)
         out.total_num_tokens += n
         if seq.first_scheduled_time is None:

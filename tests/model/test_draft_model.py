@@ -73,10 +73,12 @@ def test_draft_kv_follows_the_kept_tokens():
         engine.step()
         for seq in engine.scheduler.running:
             st = drafter._seqs.get(seq.request_id)
-            if st is None or st.made_for < 0:
+            if st is None or not st.tokens:
                 continue
-            # its tokens are the target's up to where it drafted, then its unverified drafts
-            assert st.tokens[:st.made_for] == seq.token_ids[:st.made_for]
+            # its tokens are the target's, then at most k - 1 drafts the target did not keep
+            same = next((i for i, (a, b) in enumerate(zip(st.tokens, seq.token_ids))
+                         if a != b), min(len(st.tokens), seq.num_tokens))
+            assert len(st.tokens) - same <= SPEC.max_draft_tokens - 1
             assert len(st.block_table) == pool.blocks_for(len(st.tokens))
             checked += 1
         for rid in drafter._seqs:     # finished requests left the draft at once
@@ -133,3 +135,68 @@ def test_sampled_requests_keep_their_tokens():
 def test_draft_method_needs_a_draft_model():
     with pytest.raises(ValueError, match="needs a draft model"):
         tiny_engine(start=False, speculative=SPEC)
+
+
+def _stepped(engine, prompts, params) -> int:
+    """Submit prompts together, step the engine until done -> its number of steps."""
+    for p in prompts:
+        engine.submit(p, params)
+    engine.run_pending()
+    steps = 0
+    while engine.scheduler.has_work():
+        engine.step()
+        steps += 1
+    return steps
+
+
+def test_a_batch_above_max_batch_costs_the_draft_nothing():
+    """12 decoding sequences (max_batch 8), prefilled in one step and finishing together:
+    no step speculates, the draft plan runs no step, and the target runs the plain steps."""
+    prompts, params = _prompts(12), SamplingParams(max_tokens=12, temperature=0,
+                                                   ignore_eos=True)
+    plain = _engine(start=False, max_num_tokens=1024)
+    want = _stepped(plain, prompts, params)
+    drafter = _drafter()
+    spec = _engine(drafter, start=False, max_num_tokens=1024)
+    assert _stepped(spec, prompts, params) == want == 12
+    assert drafter.num_steps == drafter.num_positions == 0
+    assert spec.stats()["spec_draft_tokens"] == 0 and not drafter._seqs
+
+
+def test_steps_with_prefill_work_do_not_speculate():
+    """A decoding request speculates until a long prompt arrives; while that prompt is
+    prefilled in chunks (max_num_tokens 16), no step drafts and the draft plan is idle;
+    afterwards they speculate again."""
+    drafter = _drafter()
+    engine = _engine(drafter, start=False, max_num_tokens=16)
+    long_params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine.submit([5, 6, 7, 8], long_params)
+    engine.run_pending()
+    for _ in range(4):
+        engine.step()
+    assert drafter.num_steps > 0
+    engine.submit(list(range(100, 160)), long_params)     # 60 tokens: 4 chunks
+    engine.run_pending()
+    before = drafter.num_steps, engine.stats()["spec_draft_tokens"]
+    new = engine.scheduler.waiting[0]
+    while new.num_computed_tokens < new.num_prompt_tokens - 1:
+        engine.step()
+        assert (drafter.num_steps, engine.stats()["spec_draft_tokens"]) == before
+    while engine.scheduler.has_work():
+        engine.step()
+    assert drafter.num_proposals > 0 and engine.stats()["spec_draft_tokens"] > before[1]
+
+
+def test_a_long_history_near_its_end_is_not_caught_up():
+    """A sequence the draft never saw, 50 tokens long with 2 left: catching it up would cost
+    more draft positions than its drafts can save, so it gets none and the draft plan runs
+    nothing; the same history with 40 tokens left is caught up and drafted for."""
+    from kiln.plugins.inflight_batching import TokenSequence
+    prompt = _prompts(1, seed=3)[0][:20] * 3
+    drafter = _drafter()
+    near_end = TokenSequence("a", prompt[:50], max_tokens=2)
+    assert drafter.propose([near_end], [2]) == [[]]
+    assert drafter.num_steps == drafter.num_positions == 0
+    fresh = TokenSequence("b", prompt[:50], max_tokens=40)
+    (drafts,) = drafter.propose([fresh], [4])
+    assert len(drafts) == 4 and drafter.num_positions == 50 + 3

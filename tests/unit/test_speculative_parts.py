@@ -79,7 +79,7 @@ def _drafting(drafts, max_tokens=10, stop=()):
     scheduled behind its last token -> (scheduler, seq, scheduler output)."""
     cfg = SchedulerConfig(max_batch_size=4, max_num_tokens=64, max_seq_len=64,
                           tokens_per_block=4)
-    sched = Scheduler(cfg, 32, DraftPolicy(4, lambda seq, k: list(drafts)[:k]))
+    sched = Scheduler(cfg, 32, DraftPolicy(4, lambda seqs, ks: [list(drafts)[:k] for k in ks]))
     seq = TokenSequence("r", [1, 2, 3, 4, 5, 6], max_tokens, stop_token_ids=stop)
     sched.add(seq)
     sched.update(sched.schedule(), StepOutput([9]))          # prefill -> output [9]

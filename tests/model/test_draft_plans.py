@@ -68,11 +68,12 @@ def test_target_records_draft_and_output_is_identical(target_plan, draft_plan):
     line = re.search(r"^speculative +(.*)$", describe(m, target_plan), re.M).group(1)
     assert line.startswith("method=draft, max_draft_tokens=") and "ngram" not in line, line
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    prompts = _prompts()[:4]      # max_batch 4: once prefilled, all four speculate
     with Engine.from_plan(target_plan, speculative=False) as plain:
-        want = plain.generate(_prompts(), params)
+        want = plain.generate(prompts, params)
         assert plain.drafter is None
     with Engine.from_plan(target_plan) as spec:
-        got = spec.generate(_prompts(), params)
+        got = spec.generate(prompts, params)
         stats, drafter = spec.stats(), spec.drafter
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     assert 0 < stats["spec_accepted_tokens"] <= stats["spec_draft_tokens"]

@@ -312,11 +312,14 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
                                 spec.kv_cache.tokens_per_block, spec.kv_dtype, lora)
     progress.stage("compiling ahead of time (AOTInductor)" if spec.target.backend == "aoti"
                    else "saving the exported program (eager backend)")
-    engine_file = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend,
-                                          level)
+    # a CPU plan's weights: a file the runtime maps (runtime/weights.py)
+    mapped = tmp / "weights.bin" if level is not None and spec.target.backend == "aoti" else None
+    compiled = kcompile.compile_engine(captured, tmp / "engine.pt2", spec.target.backend,
+                                       level, weights=mapped)
     del captured
     # The engine section, once: the build's check and accuracy gate load the engine by it.
-    return EngineSection(backend=spec.target.backend, file=engine_file.name,
+    return EngineSection(backend=spec.target.backend, file=compiled.file.name,
+                         weights=compiled.weights,
                          kernels=tuple(k.relative_to(tmp).as_posix() for k in kernels),
                          plugins=tuple(kcompile.engine_plugins(spec, moe)),
                          kernel_paths=kernel_paths, inputs=kcompile.input_names(lora is not None))

@@ -7,14 +7,18 @@ sizes the KV pool from its memory budget at load without a rebuild.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.export import Dim
 
-from kiln.contracts.manifest import CheckSection, EngineSection
+from kiln.contracts.manifest import (CheckSection, EngineSection, WeightsSection,
+                                     WeightTensor)
 from kiln.plugins.isa import IsaLevel
 from kiln.plugins.paged_kv import kv_format
 from kiln.runtime.executor import STEP_INPUTS, ModelInput
@@ -139,33 +143,95 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
         return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
 
 
-def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None) -> Path:
-    """AOTInductor-compile the exported program into `path` (or save it uncompiled); a CPU
-    plan's code is generated for its ISA level, a GPU plan's (level None) for the device."""
-    if backend == "aoti":
-        from kiln.builder.target import inductor_isa, kernel_regions
-        from kiln.plugins import shims
+@dataclass(frozen=True)
+class CompiledEngine:
+    """What compile_engine wrote: the engine file, and where its weights went (None: inside it)."""
+    file: Path
+    weights: Optional[WeightsSection] = None
 
-        with contextlib.ExitStack() as cpu_codegen:
-            if level is not None:      # a CPU plan: its ISA, regions for any thread count,
-                cpu_codegen.enter_context(inductor_isa(level))     # kiln ops by their C shims
-                cpu_codegen.enter_context(kernel_regions())
-                cpu_codegen.enter_context(torch._inductor.config.patch(
-                    {"aot_inductor.custom_ops_to_c_shims": shims.declarations()}))
-            # The generated model (its .cpp and a .so that embeds the weights: 100-540 MB for
-            # SmolLM2) is written beside the package and removed once packaged, not into
-            # Inductor's cache, which kept one per build forever (25 GB on this project's
-            # CI host); a rebuild of unchanged inputs never compiles (the fingerprint).
-            work = cpu_codegen.enter_context(
-                tempfile.TemporaryDirectory(prefix=".aoti-", dir=path.parent))
-            cpu_codegen.enter_context(torch._inductor.config.patch(
-                {"aot_inductor.output_path": work}))
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
-    elif backend == "eager":
+
+def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None,
+                   weights: Optional[Path] = None) -> CompiledEngine:
+    """AOTInductor-compile the exported program into `path` (or save it uncompiled); a CPU
+    plan's code is generated for its ISA level, a GPU plan's (level None) for the device.
+
+    weights: a CPU plan's weights file (runtime/weights.py): the engine is compiled without
+    its constants, which are written there instead, for the runtime to map (None: the
+    constants stay inside the engine's .so, which each process loading it copies)."""
+    if backend == "eager":
         torch.export.save(ep, str(path))
-    else:
+        return CompiledEngine(path)
+    if backend != "aoti":
         raise ValueError(f"backend {backend!r} is not supported; allowed: aoti, eager")
-    return path
+    from kiln.builder.target import inductor_isa, kernel_regions
+    from kiln.plugins import shims
+
+    with contextlib.ExitStack() as cpu_codegen:
+        if level is not None:      # a CPU plan: its ISA, regions for any thread count,
+            cpu_codegen.enter_context(inductor_isa(level))     # kiln ops by their C shims
+            cpu_codegen.enter_context(kernel_regions())
+            cpu_codegen.enter_context(torch._inductor.config.patch(
+                {"aot_inductor.custom_ops_to_c_shims": shims.declarations()}))
+        if weights is not None:    # each constant pickled beside the code, with its strides
+            cpu_codegen.enter_context(torch._inductor.config.patch(
+                {"aot_inductor.package_constants_in_so": False,
+                 "aot_inductor.package_constants_on_disk_format": "pickle_weights"}))
+        # The generated model (its .cpp and a .so that embeds the weights: 100-540 MB for
+        # SmolLM2) is written beside the package and removed once packaged, not into
+        # Inductor's cache, which kept one per build forever (25 GB on this project's
+        # CI host); a rebuild of unchanged inputs never compiles (the fingerprint).
+        work = cpu_codegen.enter_context(
+            tempfile.TemporaryDirectory(prefix=".aoti-", dir=path.parent))
+        cpu_codegen.enter_context(torch._inductor.config.patch(
+            {"aot_inductor.output_path": work}))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    if weights is None:
+        return CompiledEngine(path)
+    return CompiledEngine(path, write_weights(path, weights))
+
+
+def write_weights(package: Path, out: Path) -> WeightsSection:
+    """Move the pickled constants out of the AOTInductor package `package` into the weights
+    file `out` (runtime/weights.py's layout) -> its manifest section; the package keeps the
+    code only. Constants that share storage (tied embedding and lm_head) share bytes."""
+    import io
+    import os
+    import zipfile
+
+    from kiln.runtime.weights import ALIGN
+
+    with zipfile.ZipFile(package) as z:
+        names = z.namelist()
+        configs = [n for n in names if n.endswith("/weights_config.json")]
+        if len(configs) != 1:
+            raise RuntimeError(f"the compiled engine has {len(configs)} weight configs, "
+                               "expected one; this is a kiln bug, the plan was not written")
+        config = json.loads(z.read(configs[0]))
+        weights_dir = configs[0].split("/data/")[0] + "/data/weights/"
+        where, tensors, pos = {}, {}, 0
+        with open(out, "wb") as f:
+            for fqn, (blob, shape, stride, offset) in sorted(config.items()):
+                if blob not in where:   # one storage per blob, written once
+                    t = torch.load(io.BytesIO(z.read(weights_dir + blob)), weights_only=True)
+                    pos = -(-pos // ALIGN) * ALIGN
+                    f.seek(pos)
+                    raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+                    f.write(raw.numpy().data)
+                    where[blob] = (pos, t.dtype)
+                    pos += raw.numel()
+                base, dtype = where[blob]
+                tensors[fqn] = WeightTensor(offset=base + offset * dtype.itemsize,
+                                            dtype=str(dtype).removeprefix("torch."),
+                                            shape=tuple(shape), stride=tuple(stride))
+            f.truncate(max(pos, 1))
+        keep = [i for i in z.infolist() if not (i.filename.startswith(weights_dir)
+                                                or i.filename == configs[0])]
+        code = package.with_name(package.name + ".code")
+        with zipfile.ZipFile(code, "w") as dst:
+            for info in keep:
+                dst.writestr(info, z.read(info))
+    os.replace(code, package)
+    return WeightsSection(file=out.name, tensors=tensors)
 
 
 def _runs_rows16(model: torch.nn.Module) -> bool:

@@ -14,7 +14,9 @@ KILN_VERSION = "0.3.0"
 #    and bf16 plans run the quant plugin's linear_bf16; a version-1 runtime could not run them.
 # 3: target.isa is a kiln ISA level (plugins/isa.py) and target.cpu_features lists the CPU
 #    features the compiled code needs (asked of the compiler at build); engine.kernel_paths.
-PLAN_FORMAT_VERSION = 3
+# 4: a CPU aoti plan's weights are a file of their own (engine.weights), mapped at load and
+#    given to the engine as its constants; the engine file holds code only.
+PLAN_FORMAT_VERSION = 4
 
 # The manifest's file name inside a plan directory.
 MANIFEST_FILE = "plan.json"

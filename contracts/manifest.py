@@ -357,6 +357,28 @@ class LoraSection(_Section):
 
 
 @dataclass(frozen=True)
+class WeightTensor(_Section):
+    """engine.weights.tensors[fqn]: one constant of the compiled engine in the weights file."""
+    offset: int                # byte offset of its first element in the file
+    dtype: str                 # torch dtype name (float32, bfloat16, int8, ...)
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]    # in elements, as the compiled code expects them
+
+    def _validate(self, path: str) -> None:
+        if len(self.shape) != len(self.stride):
+            raise ManifestError(f"{path}.stride", f"has {len(self.stride)} entries for a shape "
+                                                  f"of {len(self.shape)}")
+
+
+@dataclass(frozen=True)
+class WeightsSection(_Section):
+    """engine.weights: the engine's constants, a file of their own that the runtime maps
+    (runtime/weights.py) rather than the compiled code's own copy."""
+    file: str                          # relative to the plan directory; listed in files
+    tensors: dict[str, WeightTensor]   # fully qualified name -> where its bytes are
+
+
+@dataclass(frozen=True)
 class EngineSection(_Section):
     """engine: the compiled step and what must be loaded before it."""
     backend: str                     # aoti | eager
@@ -365,6 +387,14 @@ class EngineSection(_Section):
     plugins: tuple[str, ...]         # whose ops the engine calls (imported before it loads)
     kernel_paths: dict[str, str]     # library -> the code path it was compiled to
     inputs: tuple[str, ...]          # the engine-step inputs, in order (DESIGN.md)
+    # CPU aoti plans: the weights, mapped at load (None: inside the engine file: GPU, eager)
+    weights: Optional[WeightsSection] = None
+
+    def to_json(self) -> dict:
+        d = super().to_json()
+        if d["weights"] is None:     # weights inside the engine file: not written
+            del d["weights"]
+        return d
 
 
 @dataclass(frozen=True)

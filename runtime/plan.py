@@ -35,6 +35,7 @@ from kiln.contracts import MANIFEST_FILE, PLAN_FORMAT_VERSION
 from kiln.contracts.manifest import (EngineSection, FileEntry, LimitsSection, ManifestError,
                                      ModelShape, PlanManifest, TargetSection, manifest_digest)
 from kiln.plugins import isa as cpu_isa
+from kiln.runtime.weights import MappedWeights, WeightsError, map_weights
 
 
 class PlanError(RuntimeError):
@@ -255,12 +256,18 @@ def code_files(engine: EngineSection) -> list[str]:
     return [*engine.kernels, engine.file]
 
 
+def mapped_files(engine: EngineSection) -> list[str]:
+    """The files a plan maps rather than reads (its weights: runtime/weights.py)."""
+    return [engine.weights.file] if engine.weights is not None else []
+
+
 def check_engine_entries(manifest: PlanManifest, path: Path) -> None:
     """The engine file and kernels are inside the plan and listed with checksums; the plugins
     are kiln's own."""
     engine, files = manifest.engine, manifest.files
     for what, rel in [("engine.file", engine.file),
-                      *(("engine.kernels entry", k) for k in engine.kernels)]:
+                      *(("engine.kernels entry", k) for k in engine.kernels),
+                      *(("engine.weights.file", w) for w in mapped_files(engine))]:
         confined(path, rel, what)
         if rel not in files:
             raise PlanError(f"plan {path} is refused: {what} {rel!r} is not among the files the "
@@ -276,13 +283,14 @@ def check_engine_entries(manifest: PlanManifest, path: Path) -> None:
 def check_files(manifest: PlanManifest, path: Path) -> dict[str, bytes]:
     """Every file is there at its size; each data file (all but the code) is read once, here,
     and must match its sha256 -> rel -> those bytes (Plan.data). The code files (engine,
-    kernels) are hashed by load_step_fn as it copies them: once, on the bytes it loads."""
+    kernels) are hashed by load_step_fn as it copies them, the weights as it maps them: once,
+    on the bytes it loads."""
     fix = rebuild_command(manifest.spec_path)
     for rel in DATA_FILES:
         if rel not in manifest.files:
             raise PlanError(f"plan {path} is refused: {rel} is not among the files its manifest "
                             f"checksums, so its bytes cannot be verified. Rebuild: {fix}", "files")
-    code = set(code_files(manifest.engine))
+    code = set(code_files(manifest.engine)) | set(mapped_files(manifest.engine))
     data = {}
     for rel, meta in manifest.files.items():
         f = confined(path, rel, "files entry")
@@ -406,15 +414,41 @@ def load_engine(path: Path, engine: EngineSection,
             load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
         f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
         if engine.backend == "aoti":
+            weights = _map_weights(path, engine, expected, fix)    # verified before any run
             if engine_call.available():   # the plan's kernels include the GIL-free call
-                return _aoti_step(_NoGilEngine.open(f, Path(private), path, fix), path, fix)
-            return _aoti_step(_LoaderEngine(load_aoti_package(f, Path(private), path, fix)),
-                              path, fix)
+                runner = _NoGilEngine.open(f, Path(private), path, fix)
+            else:
+                runner = _LoaderEngine(load_aoti_package(f, Path(private), path, fix))
+            if weights is not None:
+                runner.load_weights(weights)
+            return _aoti_step(runner, path, fix)
         runner = torch.export.load(str(f)).module()
 
     def step(*args):
         return runner(*args)
     return step
+
+
+def _map_weights(path: Path, engine: EngineSection, expected: Callable, fix: str
+                 ) -> Optional[MappedWeights]:
+    """The engine's weights file mapped and checked against its sha256 (None: a plan whose
+    weights are inside its engine file)."""
+    if engine.weights is None:
+        return None
+    rel = engine.weights.file
+    try:
+        return map_weights(confined(path, rel, "engine.weights.file"), engine.weights,
+                           expected(rel))
+    except FileNotFoundError:
+        raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}") from None
+    except WeightsError as e:
+        raise PlanError(f"plan {path} is corrupt: {e}. Rebuild: {fix}", "engine.weights") from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise PlanError(f"plan {path} is refused: {rel} is a symbolic link; a plan's files "
+                            f"are read as they are, never through a link. Rebuild: {fix}",
+                            "files") from None
+        raise PlanError(f"plan {path}: cannot map {rel} ({e.strerror})") from None
 
 
 def load_aoti_package(package: Path, scratch: Path, path: Optional[Path] = None,
@@ -455,7 +489,19 @@ class _LoaderEngine:
     """The compiled engine through torch's package loader (holds the GIL while it runs)."""
 
     def __init__(self, compiled):
+        self.compiled = compiled
         self.loader = compiled.loader
+        self.weights: Optional[MappedWeights] = None
+
+    def load_weights(self, weights: MappedWeights) -> None:
+        """The mapped weights as the engine's constants, not copied (user managed)."""
+        self.compiled.load_constants(weights.tensors, check_full_update=True, user_managed=True)
+        self.weights = weights
+
+    def __del__(self):
+        self.compiled = self.loader = None    # the runner first, then the pages it read
+        if self.weights is not None:
+            self.weights.close()
 
     def call_spec(self) -> list[str]:
         return self.loader.get_call_spec()
@@ -473,6 +519,7 @@ class _NoGilEngine:
     def __init__(self, handle: int):
         self.handle = handle
         self._run = torch.ops.kiln_engine.run.default
+        self.weights: Optional[MappedWeights] = None
 
     @classmethod
     def open(cls, package: Path, scratch: Path, path: Optional[Path], fix: str) -> "_NoGilEngine":
@@ -489,11 +536,20 @@ class _NoGilEngine:
     def run(self, flat: list) -> list:
         return self._run(self.handle, flat)
 
+    def load_weights(self, weights: MappedWeights) -> None:
+        """The mapped weights as the engine's constants, not copied (user managed)."""
+        names = list(weights.tensors)
+        torch.ops.kiln_engine.load_constants(self.handle, names,
+                                             [weights.tensors[n] for n in names])
+        self.weights = weights
+
     def __del__(self):
         try:
             torch.ops.kiln_engine.close(self.handle)
         except Exception:   # interpreter shutdown: the process is freeing everything anyway
-            pass
+            return
+        if self.weights is not None:     # the runner is gone: nothing reads the pages now
+            self.weights.close()
 
 
 def _aoti_step(runner, path: Path, fix: str) -> StepFn:

@@ -61,7 +61,7 @@ def test_compiled_graph_calls_the_shims_and_matches_eager(tmp_path):
     model = Linears()
     rows = torch.export.Dim("rows", min=1, max=64)
     ep = torch.export.export(model, (torch.randn(4, 96),), dynamic_shapes=({0: rows},))
-    path = compile_engine(ep, tmp_path / "m.pt2", "aoti", resolve_level("auto"))
+    path = compile_engine(ep, tmp_path / "m.pt2", "aoti", resolve_level("auto")).file
     with zipfile.ZipFile(path) as z:
         z.extractall(tmp_path / "x")
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
@@ -99,7 +99,7 @@ def test_compiled_graph_calls_the_lora_shim(tmp_path):
     rows = torch.export.Dim("rows", min=1, max=64)
     ep = torch.export.export(model, args, dynamic_shapes=({0: rows}, {0: rows}, None, None,
                                                           None))
-    path = compile_engine(ep, tmp_path / "m.pt2", "aoti", resolve_level("auto"))
+    path = compile_engine(ep, tmp_path / "m.pt2", "aoti", resolve_level("auto")).file
     with zipfile.ZipFile(path) as z:
         wrapper = "".join(z.read(n).decode() for n in z.namelist() if n.endswith("wrapper.cpp"))
     assert "aoti_torch_cpu_lora_apply(" in wrapper

@@ -14,6 +14,7 @@ import torch
 from kiln.builder.build import build
 from kiln.builder.fingerprint import build_target, fingerprint, fingerprint_inputs
 from kiln.builder.spec import load_spec, parse_spec
+from kiln.contracts import PLAN_FORMAT_VERSION
 from kiln.runtime.executor import Executor, ModelInput
 from kiln.runtime.plan import PlanError, load_plan
 
@@ -24,10 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_plan_layout(tiny_plan):
     m = json.loads((tiny_plan / "plan.json").read_text())
-    assert m["format_version"] == 3 and m["name"] == "tiny-random"
+    assert m["format_version"] == PLAN_FORMAT_VERSION and m["name"] == "tiny-random"
     assert len(m["fingerprint"]) == 64
-    for rel in ("engine.pt2", "tokenizer.json", "generation.json"):
+    for rel in ("engine.pt2", "weights.bin", "tokenizer.json", "generation.json"):
         assert rel in m["files"] and (tiny_plan / rel).is_file()
+    assert m["engine"]["weights"]["file"] == "weights.bin"   # the engine file: code only
     assert any(k.startswith("kernels/") for k in m["files"])
     assert m["target"]["device"] == "cpu" and m["target"]["isa"]
     assert m["toolchain"]["torch"] == torch.__version__
@@ -186,8 +188,14 @@ def test_loading_a_plan_hashes_each_file_once(tiny_plan, monkeypatch):
     def copy(path, rel, *a):
         hashed.append(rel)
         return verified_copy(path, rel, *a)
+
+    def mapped(path, section, expected):
+        hashed.append(section.file)
+        return map_weights(path, section, expected)
+    map_weights = rplan.map_weights
     monkeypatch.setattr(rplan, "read_verified", read)
     monkeypatch.setattr(rplan, "verified_copy", copy)
+    monkeypatch.setattr(rplan, "map_weights", mapped)
     monkeypatch.setattr(rplan, "sha256_file", None)   # nothing hashes a file by its path
     p = load_plan(tiny_plan)
     Executor.from_plan(p, kv_budget_bytes=1 << 20)

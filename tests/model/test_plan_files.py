@@ -117,3 +117,99 @@ def test_expect_digest_pins_the_plan_bytes(tiny_plan, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert "Traceback" not in r.stderr and "loading plan" not in r.stderr, r.stderr
     assert lines[-1].startswith("error: ") and other_digest in lines[-1] and digest in lines[-1]
+
+
+# ---- the weights file: mapped, hashed while mapped, shared by every load --------------------
+
+def _step_logits(step, plan) -> "torch.Tensor":
+    """The logits of one 5-token prefill through a loaded step (fresh KV pools)."""
+    import torch
+
+    from kiln.plugins.paged_kv import kv_format
+    from kiln.runtime.executor import ModelInput
+
+    shape = plan.shape
+    bs = plan.manifest.kv_cache.tokens_per_block
+    pools = kv_format.new_pools(plan.manifest.kv_cache.dtype, shape.num_layers, 8, bs,
+                                shape.num_kv_heads, shape.head_dim)
+    inp = ModelInput.build([[1, 5, 9, 2, 7]], [0], [[0, 1]], bs)
+    with torch.no_grad():
+        return step(*inp.args(), *pools)
+
+
+def _weights_mappings(plan_dir: Path) -> list[dict]:
+    """This process's mappings of the plan's weights file, with smaps' counters (kB) and the
+    file's device:inode."""
+    target = str((plan_dir / "weights.bin").resolve())
+    found, cur = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            cur = {"inode": (head[3], head[4])} if line.endswith(" " + target) else None
+            if cur is not None:
+                found.append(cur)
+        elif cur is not None and len(head) == 3 and head[2] == "kB":
+            cur[head[0].rstrip(":")] = int(head[1])
+    return found
+
+
+def test_the_weights_are_mapped_and_shared_by_every_load(tiny_plan, tmp_path):
+    """Two loads of a plan map its weights file twice: file-backed, read-only pages of the
+    page cache, none copied into the process (no anonymous or dirty page in the mappings); the
+    engine computes from those pages themselves (a byte changed in the file after the load is
+    what the next step reads)."""
+    import mmap
+
+    from kiln.runtime.plan import load_step_fn
+
+    plan_dir = plan_copy(tiny_plan, tmp_path / "plan")
+    plan = load_plan(plan_dir)
+    steps = [load_step_fn(plan) for _ in range(2)]
+    ref = _step_logits(steps[0], plan)
+    assert (ref == _step_logits(steps[1], plan)).all()
+    maps = _weights_mappings(plan_dir)
+    assert len(maps) == 2 and maps[0]["inode"] == maps[1]["inode"]
+    for m in maps:   # the page cache's pages (none private), each mapping reads every page
+        assert m["Anonymous"] == 0 and m["Private_Dirty"] == 0, m
+        assert m["Rss"] == m["Size"], m
+    wo = plan.manifest.engine.weights.tensors["layers.0.attention.wo.qweight"]
+    with open(plan_dir / "weights.bin", "r+b") as f, mmap.mmap(f.fileno(), 0) as w:
+        nbytes = 4 * wo.shape[0] * wo.stride[0]                 # fp32, contiguous rows
+        w[wo.offset:wo.offset + nbytes] = bytes(nbytes)
+    assert all(not (_step_logits(s, plan) == ref).all() for s in steps)
+    del steps
+    import gc
+
+    gc.collect()
+    assert _weights_mappings(plan_dir) == []      # closing the engines unmapped the file
+
+
+def test_a_changed_weights_file_is_refused(tiny_plan, tmp_path):
+    """The weights are hashed as they are mapped: a changed byte, a file of another size, a
+    link, or an index entry outside the file is refused before the engine runs."""
+    from kiln.runtime.plan import load_step_fn
+
+    flipped = plan_copy(tiny_plan, tmp_path / "flipped")
+    data = bytearray((flipped / "weights.bin").read_bytes())
+    data[len(data) // 2] ^= 1
+    (flipped / "weights.bin").write_bytes(bytes(data))
+    plan = load_plan(flipped)            # the size is right; the bytes are hashed when mapped
+    with pytest.raises(PlanError, match="weights.bin does not match its sha256"):
+        load_step_fn(plan)
+    longer = plan_copy(tiny_plan, tmp_path / "longer")
+    with open(longer / "weights.bin", "ab") as f:
+        f.write(b"\0" * 64)
+    with pytest.raises(PlanError, match="weights.bin is .* bytes, the manifest says"):
+        load_plan(longer)
+    linked = plan_copy(tiny_plan, tmp_path / "linked")
+    (linked / "weights.bin").rename(linked / "w.bin")
+    (linked / "weights.bin").symlink_to("w.bin")
+    with pytest.raises(PlanError, match="weights.bin is a symbolic link"):
+        load_step_fn(load_plan(linked))
+    outside = plan_copy(tiny_plan, tmp_path / "outside")
+    m = json.loads((outside / "plan.json").read_text())
+    name = next(iter(m["engine"]["weights"]["tensors"]))
+    m["engine"]["weights"]["tensors"][name]["offset"] = m["files"]["weights.bin"]["size"]
+    (outside / "plan.json").write_text(json.dumps(m))
+    with pytest.raises(PlanError, match=f"{name} .* is not a float32 range of the file"):
+        load_step_fn(load_plan(outside))

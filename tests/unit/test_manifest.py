@@ -93,6 +93,25 @@ def test_a_bad_field_is_named(edit, field):
     assert str(e.value).startswith(field)
 
 
+WEIGHTS = {"file": "weights.bin", "tensors": {
+    "embed.weight": {"offset": 0, "dtype": "float32", "shape": [8, 4], "stride": [4, 1]},
+    "lm_head.weight": {"offset": 0, "dtype": "float32", "shape": [8, 4], "stride": [4, 1]}}}
+
+
+def test_the_engine_weights_section_round_trips_and_is_checked():
+    """A CPU plan's engine.weights (a mapped file and each constant's place in it) round-trips;
+    a plan without one writes no key; a stride that does not fit the shape is named."""
+    data = copy.deepcopy(MANIFEST)
+    assert "weights" not in PlanManifest.from_json(data).to_json()["engine"]
+    data["engine"]["weights"] = copy.deepcopy(WEIGHTS)
+    m = PlanManifest.from_json(data)
+    assert m.to_json() == data and m.engine.weights.tensors["embed.weight"].shape == (8, 4)
+    data["engine"]["weights"]["tensors"]["embed.weight"]["stride"] = [1]
+    with pytest.raises(ManifestError) as e:
+        PlanManifest.from_json(data)
+    assert e.value.field == 'engine.weights.tensors["embed.weight"].stride'
+
+
 def test_the_contract_imports_no_torch():
     code = ("import sys, kiln.contracts.manifest, kiln.builder.uptodate; "
             "print('torch' in sys.modules)")

@@ -15,6 +15,13 @@
 // aoti_torch_delete_tensor_object). `run` holds one more reference to every input for the whole
 // step and drops them all after it, under one acquisition of the GIL.
 //
+// A plan whose weights are a file of their own (runtime/weights.py maps it) hands them to the
+// engine with `load_constants`: tensors over the read-only mapping, given to the runner as user
+// managed constants, so that no byte is copied and the pages stay the page cache's, shared by
+// every process that maps the plan. (torch 2.13's container keeps one extra reference to each
+// user-managed tensor that it never drops; the Python side therefore unmaps the file itself once
+// the engine is closed, rather than waiting for the tensors to be freed.)
+//
 // Engines live in a process-wide table (an int handle per open; close frees the runner, its
 // weights and the .so mapping). A handle's runs may come from one thread at a time (the engine
 // thread); the table itself is guarded. (open_engine and close_engine: Python.h declares ::close.)
@@ -25,6 +32,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 extern "C" __attribute__((used, visibility("default")))
@@ -75,6 +83,24 @@ std::vector<at::Tensor> run(int64_t handle, std::vector<at::Tensor> inputs) {
   return outputs;
 }
 
+// The weights by their fully qualified names (fqns[i] names tensors[i]); every constant of the
+// model must be among them. The tensors must outlive the engine (the caller keeps them).
+void load_constants(int64_t handle, std::vector<std::string> fqns, std::vector<at::Tensor> tensors) {
+  TORCH_CHECK(fqns.size() == tensors.size(), "kiln_engine: ", fqns.size(), " names for ",
+              tensors.size(), " tensors");
+  auto runner = engine(handle);
+  std::unordered_map<std::string, std::string> by_fqn;
+  for (const auto& [name, fqn] : runner->getConstantNamesToOriginalFQNs()) by_fqn[fqn] = name;
+  std::unordered_map<std::string, at::Tensor> constants;
+  for (size_t i = 0; i < fqns.size(); ++i) {
+    auto it = by_fqn.find(fqns[i]);
+    TORCH_CHECK(it != by_fqn.end(), "kiln_engine: the engine has no constant ", fqns[i]);
+    constants.emplace(it->second, tensors[i]);
+  }
+  runner->update_constant_buffer(constants, /*use_inactive=*/false,
+                                 /*validate_full_updates=*/true, /*user_managed=*/true);
+}
+
 void close_engine(int64_t handle) {
   std::shared_ptr<Runner> gone;
   {
@@ -89,5 +115,6 @@ TORCH_LIBRARY(kiln_engine, m) {
   m.def("open(str model_so) -> int", &open_engine);
   m.def("call_spec(int engine) -> str[]", &call_spec);
   m.def("run(int engine, Tensor[] inputs) -> Tensor[]", &run);
+  m.def("load_constants(int engine, str[] fqns, Tensor[] tensors) -> ()", &load_constants);
   m.def("close(int engine) -> ()", &close_engine);
 }

@@ -5,7 +5,8 @@
     DIR/blobs/sha256/<manifest>     image manifest: the config + one layer
     DIR/blobs/sha256/<config>       image config: rootfs.diff_ids = [the layer's digest]
     DIR/blobs/sha256/<layer>        uncompressed tar: models/<plan-name>/plan.json and every
-                                    file plan.json lists
+                                    file plan.json lists (and models/<draft-name>/ likewise for
+                                    a plan that serves with a draft plan)
 
 Deterministic: entries sorted, mtime 0, uid/gid 0, no user names, modes 0644/0755, the layer
 uncompressed (no gzip header to vary) and every JSON document written with sorted keys and no
@@ -16,8 +17,9 @@ against the sha256 plan.json records while it is written, so a damaged plan is n
 Unpacking checks the layout against the OCI image-layout rules it relies on (oci-layout
 version, media types), then the size and sha256 of the manifest, config and every layer blob
 before one byte is extracted; extraction takes regular files and directories under
-models/<name>/ only (no links, no absolute or `..` paths). The unpacked plan is then loaded
-like any plan (runtime/plan.py load_plan: format, target, toolchain, checksums).
+models/<name>/ (and the draft's models/<draft>/) only (no links, no absolute or `..`
+paths). The unpacked plan is then loaded like any plan (runtime/plan.py load_plan: format,
+target, toolchain, checksums).
 """
 from __future__ import annotations
 
@@ -98,24 +100,28 @@ class _CheckedReader(io.RawIOBase):
                                "records; the plan is damaged, rebuild it before packaging")
 
 
-def _write_layer(plan: Path, manifest: PlanManifest, raw: bytes, out) -> Descriptor:
-    """The layer tar of `plan` into the open file `out`; its descriptor."""
-    root = PurePosixPath(MODELS_ROOT, manifest.name)
-    files = sorted({MANIFEST_FILE, *manifest.files})
-    dirs = {root.parent, root}
-    for rel in files:
-        p = PurePosixPath(rel)
-        if p.is_absolute() or ".." in p.parts:
-            raise PackageError(f"plan {plan}: file {rel!r} is outside the plan directory")
-        dirs.update((root / p).parents)
+def _write_layer(trees: list[tuple[Path, PlanManifest, bytes]], out) -> Descriptor:
+    """The layer tar of the plans `trees` (directory, manifest, plan.json bytes; each under
+    models/<its name>/) into the open file `out`; its descriptor."""
+    entries: list[tuple[PurePosixPath, Path, PlanManifest, bytes, str]] = []
+    dirs: set[PurePosixPath] = set()
+    for plan, manifest, raw in trees:
+        root = PurePosixPath(MODELS_ROOT, manifest.name)
+        dirs.update((root.parent, root))
+        for rel in sorted({MANIFEST_FILE, *manifest.files}):
+            p = PurePosixPath(rel)
+            if p.is_absolute() or ".." in p.parts:
+                raise PackageError(f"plan {plan}: file {rel!r} is outside the plan directory")
+            dirs.update((root / p).parents)
+            entries.append((root / p, plan, manifest, raw, rel))
     dirs.discard(PurePosixPath("."))
     writer = HashingWriter(out)
     with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         for d in sorted(dirs):
             tar.addfile(tar_entry(f"{d}/", 0o755, is_dir=True))
-        for rel in files:
+        for name, plan, manifest, raw, rel in sorted(entries, key=lambda e: e[0]):
             if rel == MANIFEST_FILE:
-                tar.addfile(tar_entry(str(root / rel), 0o644, len(raw)), io.BytesIO(raw))
+                tar.addfile(tar_entry(str(name), 0o644, len(raw)), io.BytesIO(raw))
                 continue
             entry = manifest.files[rel]
             path = plan / rel
@@ -124,10 +130,32 @@ def _write_layer(plan: Path, manifest: PlanManifest, raw: bytes, out) -> Descrip
                                    "rebuild the plan before packaging")
             with open(path, "rb") as f:
                 reader = _CheckedReader(f, rel, entry.sha256)
-                tar.addfile(tar_entry(str(root / rel), 0o644, entry.size),
+                tar.addfile(tar_entry(str(name), 0o644, entry.size),
                             io.BufferedReader(reader, 1 << 22))
                 reader.check(plan)
     return Descriptor(LAYER_MEDIA, "sha256:" + writer.sha.hexdigest(), writer.size)
+
+
+def _draft_tree(plan: Path, manifest: PlanManifest) -> Optional[tuple[Path, PlanManifest, bytes]]:
+    """The draft plan a method-draft plan serves with, to travel in the same layer: it must be
+    the plan's sibling directory of the draft's own name (the image puts both under models/,
+    where the recorded relative path finds it) and have the recorded fingerprint."""
+    spec = manifest.speculative
+    if spec is None or spec.draft is None:
+        return None
+    rec = spec.draft
+    fix = (f"rebuild {manifest.name} against its draft, with the draft built into "
+           f"../{rec.name} beside it")
+    if PurePosixPath(rec.path) != PurePosixPath("..", rec.name):
+        raise PackageError(f"plan {plan} drafts with {rec.path!r}, not a sibling directory "
+                           f"named after the draft plan ({rec.name!r}); an image holds plans "
+                           f"side by side under /{MODELS_ROOT}: {fix}")
+    draft, raw = _read_plan_manifest(plan / rec.path)
+    if draft.name != rec.name or draft.fingerprint != rec.fingerprint:
+        raise PackageError(f"plan {plan}'s draft {plan / rec.path} is {draft.name} "
+                           f"{draft.fingerprint}, the plan was built against {rec.name} "
+                           f"{rec.fingerprint}: {fix}")
+    return plan / rec.path, draft, raw
 
 
 def _put_blob(blobs: Path, data: bytes, media_type: str) -> Descriptor:
@@ -154,7 +182,8 @@ def package_plan(plan: str | Path, out: str | Path, modelcar: bool = False,
     try:
         shell = None if shell_deb is None else _put_layer(
             blobs, lambda f: mc.write_shell_layer(shell_deb, f))
-        layer = _put_layer(blobs, lambda f: _write_layer(plan, manifest, raw, f))
+        trees = [(plan, manifest, raw)] + [t for t in (_draft_tree(plan, manifest),) if t]
+        layer = _put_layer(blobs, lambda f: _write_layer(trees, f))
     except BaseException:
         shutil.rmtree(out / "blobs", ignore_errors=True)   # nothing half-written stays
         raise
@@ -282,26 +311,43 @@ def read_layout(layout: str | Path) -> Layout:
     return Layout(layout, name, desc, paths)
 
 
-def _extract(layer: Path, dest: Path, root: PurePosixPath) -> None:
-    """Regular files and directories of `layer` under `root`, into `dest`; anything else
-    (a link, a device, a path outside `root`) refuses the layer."""
+def _extract(layer: Path, roots: dict[PurePosixPath, Path]) -> None:
+    """Regular files and directories of `layer` under each root, into its directory; anything
+    else (a link, a device, a path outside every root) refuses the layer."""
     with tarfile.open(layer, mode="r:") as tar:
         for info in tar:
             p = PurePosixPath(info.name.rstrip("/"))
             if p.is_absolute() or ".." in p.parts:
                 raise PackageError(f"{layer}: entry {info.name!r} leaves the image root")
-            if p in (PurePosixPath(MODELS_ROOT), root) and info.isdir():
+            if (p == PurePosixPath(MODELS_ROOT) or p in roots) and info.isdir():
                 continue
-            if root not in p.parents or not (info.isfile() or info.isdir()):
+            root = next((r for r in roots if r in p.parents), None)
+            if root is None or not (info.isfile() or info.isdir()):
                 raise PackageError(f"{layer}: entry {info.name!r} is not a file or directory "
-                                   f"under /{root}")
-            target = dest / p.relative_to(root)
+                                   f"under /{' or /'.join(map(str, roots))}")
+            target = roots[root] / p.relative_to(root)
             if info.isdir():
                 target.mkdir(parents=True, exist_ok=True)
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
             with tar.extractfile(info) as src, open(target, "wb") as out:
                 shutil.copyfileobj(src, out, 1 << 22)
+
+
+def _packed_draft(layer: Path, root: PurePosixPath) -> Optional[str]:
+    """The name of the draft plan that the layer's plan (under `root`) records, if any."""
+    with tarfile.open(layer, mode="r:") as tar:
+        for info in tar:
+            if PurePosixPath(info.name) == root / MANIFEST_FILE and info.isfile():
+                with tar.extractfile(info) as f:
+                    raw = f.read()
+                try:
+                    spec = PlanManifest.loads(raw.decode()).speculative
+                except (ManifestError, ValueError) as e:
+                    raise PackageError(f"{layer}: /{root}/{MANIFEST_FILE} is not a valid plan "
+                                       f"manifest ({e})") from None
+                return None if spec is None or spec.draft is None else spec.draft.name
+    raise PackageError(f"{layer}: the layer holds no /{root}/{MANIFEST_FILE}")
 
 
 def _check_outside(layer: Path, models: PurePosixPath) -> None:
@@ -316,7 +362,10 @@ def _check_outside(layer: Path, models: PurePosixPath) -> None:
 
 def unpack_layout(layout: str | Path, dest: str | Path) -> Path:
     """Verify an OCI plan layout (read_layout), unpack its plan into `dest` (new or empty),
-    and return the plan directory; load it with runtime/plan.py load_plan to verify it."""
+    and return the plan directory; load it with runtime/plan.py load_plan to verify it.
+    An image of a plan that serves with a draft plan holds both: they are unpacked side by
+    side as dest/<plan> and dest/<draft> (where the plan's relative record finds the draft),
+    and dest/<plan> is returned."""
     found = read_layout(layout)
     dest = Path(dest)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
@@ -326,11 +375,14 @@ def unpack_layout(layout: str | Path, dest: str | Path) -> Path:
     try:
         for layer in found.layers[:-1]:     # a modelcar's shell: the plan is the top layer
             _check_outside(layer, PurePosixPath(MODELS_ROOT))
-        _extract(found.layers[-1], dest, root)
+        draft = _packed_draft(found.layers[-1], root)
+        roots = {root: dest} if draft is None else {
+            root: dest / found.name, PurePosixPath(MODELS_ROOT, draft): dest / draft}
+        _extract(found.layers[-1], roots)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
-    return dest
+    return roots[root]
 
 
 def load_packaged(layout: str | Path, dest: str | Path, expect_digest: Optional[str] = None):

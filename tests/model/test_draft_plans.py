@@ -81,6 +81,40 @@ def test_target_records_draft_and_output_is_identical(target_plan, draft_plan):
     assert stats["kv_blocks_used"] == 0
 
 
+def test_package_carries_the_draft_and_the_unpacked_plan_speculates(target_plan, draft_plan,
+                                                                      tmp_path):
+    """`kiln package` of a plan that drafts with a draft plan puts both in the image's layer,
+    side by side under models/, so the unpacked plan finds its draft where it recorded it."""
+    import tarfile
+
+    from kiln.runtime.tools.package import PackageError, load_packaged, package_plan
+
+    out = package_plan(target_plan, tmp_path / "oci")
+    layer = tmp_path / "oci" / "blobs" / "sha256" / out.layer.digest.removeprefix("sha256:")
+    with tarfile.open(layer) as tar:
+        names = set(tar.getnames())
+    assert {"models/tiny-draft-target/plan.json", "models/tiny-int8/plan.json"} <= names
+    plan = load_packaged(tmp_path / "oci", tmp_path / "unpacked", expect_digest=out.plan_digest)
+    assert plan.path == tmp_path / "unpacked" / "tiny-draft-target"
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = _prompts()[:4]
+    with Engine.from_plan(target_plan, speculative=False) as plain:
+        want = plain.generate(prompts, params)
+    with Engine.from_plan(plan.path) as spec:
+        got = spec.generate(prompts, params)
+        assert spec.drafter is not None and spec.stats()["spec_draft_tokens"] > 0
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    # a draft that is not the one the plan was built against is never packaged
+    moved = tmp_path / "moved"
+    shutil.copytree(target_plan, moved / "tiny-draft-target")
+    shutil.copytree(draft_plan, moved / "tiny-int8")
+    data = json.loads((moved / "tiny-int8" / "plan.json").read_text())
+    data["fingerprint"] = "0" * 64
+    (moved / "tiny-int8" / "plan.json").write_text(json.dumps(data))
+    with pytest.raises(PackageError, match="was built against tiny-int8"):
+        package_plan(moved / "tiny-draft-target", tmp_path / "oci2")
+
+
 def test_rebuilt_draft_makes_the_target_stale(target_plan, tmp_path):
     spec_path = _target_spec(tmp_path, "unused")
     m = read_manifest(target_plan)

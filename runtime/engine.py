@@ -556,6 +556,7 @@ class Engine:
                 "tokens_generated": self.scheduler.num_generated_tokens,
                 "spec_draft_tokens": self.model_runner.num_drafted,
                 "spec_accepted_tokens": self.model_runner.num_accepted,
+                "spec_draft_rows": self.model_runner.num_draft_rows,
                 "spec_draft_model_steps": self.drafter.num_steps if self.drafter else 0,
                 "spec_draft_model_positions": self.drafter.num_positions if self.drafter else 0,
                 "requests_finished": self.num_finished}

@@ -47,6 +47,8 @@ class ModelRunner:
         self.num_drafted = 0      # speculative decoding: draft tokens verified
         self.adapters: Optional[AdapterRegistry] = None   # a plan with lora: its adapters
         self.num_accepted = 0     # of those, kept
+        self.num_draft_rows = 0   # sequence-steps that carried drafts (mean accepted length:
+                                  # num_accepted / num_draft_rows)
 
     def prepare(self, out: SchedulerOutput) -> ModelInput:
         """Pack the scheduled tokens of each sequence (ModelInput.build: the one packer).
@@ -163,6 +165,7 @@ class ModelRunner:
             sampled[i], accepted[i] = target[a], a
             self.num_drafted += len(d)
             self.num_accepted += a
+            self.num_draft_rows += 1
         return accepted
 
     def _masks(self, seqs: list[TokenSequence], vocab: int, errors: dict[str, str]

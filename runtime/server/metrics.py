@@ -66,6 +66,9 @@ class _EngineCollector:
             "kiln_spec_accepted_tokens": ("speculative decoding: draft tokens kept (accepted / "
                                           "drafted = acceptance rate)",
                                           s["spec_accepted_tokens"]),
+            "kiln_spec_draft_rows": ("speculative decoding: sequence-steps that carried drafts "
+                                     "(accepted / rows = mean accepted length)",
+                                     s["spec_draft_rows"]),
             "kiln_spec_draft_model_steps": ("speculative decoding: steps of the draft plan "
                                             "(method draft)", s["spec_draft_model_steps"]),
             "kiln_spec_draft_model_positions": ("speculative decoding: tokens the draft plan "

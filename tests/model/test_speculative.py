@@ -81,8 +81,14 @@ def test_prometheus_counters():
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line.startswith("kiln_spec_")}
     assert values == {"kiln_spec_draft_tokens_total": stats["spec_draft_tokens"],
-                      "kiln_spec_accepted_tokens_total": stats["spec_accepted_tokens"]}
+                      "kiln_spec_accepted_tokens_total": stats["spec_accepted_tokens"],
+                      "kiln_spec_draft_rows_total": stats["spec_draft_rows"],
+                      "kiln_spec_draft_model_steps_total": 0,        # n-gram: no draft plan
+                      "kiln_spec_draft_model_positions_total": 0}
     assert 0 < values["kiln_spec_accepted_tokens_total"] < values["kiln_spec_draft_tokens_total"]
+    # each row carried 1..k drafts: the mean accepted length is at most k
+    rows = values["kiln_spec_draft_rows_total"]
+    assert 0 < rows <= values["kiln_spec_draft_tokens_total"] <= SPEC.max_draft_tokens * rows
 
 
 def test_random_prompts_identical():

@@ -327,14 +327,8 @@ def _read_plan_file(path: Path, rel: str, fix: str, size: Optional[int] = None) 
     f = confined(path, rel, "file")
     try:
         fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}") from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise PlanError(f"plan {path} is refused: {rel} is a symbolic link; a plan's files "
-                            f"are read as they are, never through a link. Rebuild: {fix}",
-                            "files") from None
-        raise PlanError(f"plan {path}: cannot read {rel} ({e.strerror})") from None
+        raise _open_error(path, rel, fix, e, "read") from None
     with os.fdopen(fd, "rb") as fh:
         if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
             raise PlanError(f"plan {path} is refused: {rel} is not a regular file. "
@@ -439,16 +433,21 @@ def _map_weights(path: Path, engine: EngineSection, expected: Callable, fix: str
     try:
         return map_weights(confined(path, rel, "engine.weights.file"), engine.weights,
                            expected(rel))
-    except FileNotFoundError:
-        raise PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}") from None
     except WeightsError as e:
         raise PlanError(f"plan {path} is corrupt: {e}. Rebuild: {fix}", "engine.weights") from None
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise PlanError(f"plan {path} is refused: {rel} is a symbolic link; a plan's files "
-                            f"are read as they are, never through a link. Rebuild: {fix}",
-                            "files") from None
-        raise PlanError(f"plan {path}: cannot map {rel} ({e.strerror})") from None
+        raise _open_error(path, rel, fix, e, "map") from None
+
+
+def _open_error(path: Path, rel: str, fix: str, e: OSError, verb: str) -> PlanError:
+    """The PlanError for a plan file that could not be opened to `verb` (read, map): missing,
+    a symbolic link (opened with O_NOFOLLOW), or another OS error."""
+    if isinstance(e, FileNotFoundError):
+        return PlanError(f"plan {path} is incomplete: {rel} is missing. Rebuild: {fix}")
+    if e.errno == errno.ELOOP:
+        return PlanError(f"plan {path} is refused: {rel} is a symbolic link; a plan's files "
+                         f"are read as they are, never through a link. Rebuild: {fix}", "files")
+    return PlanError(f"plan {path}: cannot {verb} {rel} ({e.strerror})")
 
 
 def load_aoti_package(package: Path, scratch: Path, path: Optional[Path] = None,

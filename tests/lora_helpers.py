@@ -43,3 +43,16 @@ def write_peft(path: Path, sec: LoraSection, num_layers: int, r: int, modules, s
            "bias": "none", "use_rslora": False, "base_model_name_or_path": None, **config}
     (path / "adapter_config.json").write_text(json.dumps(cfg))
     return tensors
+
+
+def randomize_peft(model, seed: int, b_scale: float):
+    """A peft model's LoRA weights drawn from `seed`: A ~ N(0, 1/in), B ~ N(0, b_scale^2)
+    (non-zero B, so the adapter changes the output); returns the model in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * b_scale)
+    return model.eval()

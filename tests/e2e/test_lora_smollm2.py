@@ -21,6 +21,7 @@ from kiln.runtime.engine import Engine
 from kiln.runtime.plan import load_plan
 from kiln.runtime.sampling import SamplingParams
 from tests.conftest import SMOLLM2_GGUF_SOURCE, TEST_PLANS
+from tests.lora_helpers import randomize_peft
 
 pytestmark = pytest.mark.e2e
 peft = pytest.importorskip("peft")
@@ -67,15 +68,9 @@ def references(smollm2_hf, tmp_path_factory):
     for i, (name, cfg) in enumerate(ADAPTERS.items()):
         model = peft.get_peft_model(copy.deepcopy(base),
                                     peft.LoraConfig(lora_dropout=0.0, **cfg))
-        g = torch.Generator().manual_seed(i + 1)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_A" in n:
-                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-                elif "lora_B" in n:
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        randomize_peft(model, seed=i + 1, b_scale=0.05)
         model.save_pretrained(root / name)
-        dirs[name], models[name] = root / name, model.eval()
+        dirs[name], models[name] = root / name, model
     return dirs, models
 
 

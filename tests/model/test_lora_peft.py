@@ -17,6 +17,7 @@ from kiln.runtime.lora_peft import AdapterError
 from kiln.runtime.plan import load_plan
 from kiln.runtime.sampling import SamplingParams
 from tests.conftest import TEST_PLANS
+from tests.lora_helpers import randomize_peft
 from tests.model.test_sources import _hf_model, _write_tokenizer
 
 pytestmark = pytest.mark.model
@@ -38,14 +39,7 @@ def _peft_model(base_dir, name: str, seed: int):
     """transformers' model of base_dir with a peft adapter of random A and non-zero B."""
     base = transformers.LlamaForCausalLM.from_pretrained(base_dir).eval()
     model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **ADAPTERS[name]))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_A" in n:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
+    return randomize_peft(model, seed, b_scale=0.3)
 
 
 @pytest.fixture(scope="module")

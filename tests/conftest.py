@@ -57,17 +57,6 @@ def tiny_plan(tiny_spec_path) -> Path:
     return build(tiny_spec_path, TEST_PLANS / "tiny-random", progress=Progress(enabled=False)).path
 
 
-@pytest.fixture(scope="session")
-def smollm2_plan(smollm2_gguf) -> Path:
-    """The default SmolLM2 CPU plan, at plans/smollm2-135m-cpu where `kiln build` puts it (so
-    the README's main job and the tests share one build). Read-only."""
-    from kiln.builder.build import build
-    from kiln.builder.progress import Progress
-
-    return build(ROOT / "model_specs" / "smollm2-135m-cpu.yaml",
-                 ROOT / "plans" / "smollm2-135m-cpu", progress=Progress(enabled=False)).path
-
-
 @pytest.fixture(scope="module")
 def kiln_server(tiny_plan, tmp_path_factory):
     """A `kiln serve` subprocess of the tiny plan on free loopback ports (one per module)."""

@@ -7,8 +7,8 @@ checked on tiny models (tests/model/test_quant_plans.py).
 
 The plans go where `kiln build model_specs/smollm2-135m-<p>-cpu.yaml` puts them (plans/), so
 bench/precisions.py and the README share them; the fp32 reference is computed once per
-checkpoint (~/.cache/kiln/accuracy) and shared by the three builds. About 5 minutes a build
-on two shared cores.
+checkpoint (~/.cache/kiln/accuracy) and shared by the four builds, which tests/e2e/conftest.py
+runs two at a time. About 3 minutes a build on two cores.
 """
 from __future__ import annotations
 
@@ -16,21 +16,11 @@ import json
 
 import pytest
 
-from kiln.builder.build import build
-from kiln.builder.progress import Progress
 from kiln.runtime.engine import Engine
 from kiln.runtime.plan import load_plan
 from kiln.runtime.sampling import SamplingParams
-from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module", params=["int8", "int4", "fp8-kv8"])
-def quant_plan(request, smollm2_gguf):
-    p = request.param
-    return p, build(ROOT / "model_specs" / f"smollm2-135m-{p}-cpu.yaml",
-                    ROOT / "plans" / f"smollm2-135m-{p}-cpu", progress=Progress(enabled=False)).path
 
 
 def test_builds_and_passes_its_gate(quant_plan):
@@ -55,13 +45,11 @@ def test_answers_the_golden_prompt(quant_plan):
     assert "Paris" in res.text, res.text
 
 
-def test_throughput_spec_is_w4a8_and_passes_3_percent(smollm2_gguf):
+def test_throughput_spec_is_w4a8_and_passes_3_percent(throughput_plan):
     """model_specs/smollm2-135m-throughput-cpu.yaml: W4A8 (the GGUF's Q4_1 weights stored
     exactly, int8 activations per group of 32) with an int8 KV cache, gated at 3%; its linears
     run the W4A8 kernel and it answers the golden prompt with the fact."""
-    path = build(ROOT / "model_specs" / "smollm2-135m-throughput-cpu.yaml",
-                 ROOT / "plans" / "smollm2-135m-throughput-cpu",
-                 progress=Progress(enabled=False)).path
+    path = throughput_plan
     m = json.loads((path / "plan.json").read_text())
     q, acc = m["precision"]["quantization"], m["accuracy"]
     assert m["precision"]["activations"] == "int8" and q["scheme"] == "int4_a8"

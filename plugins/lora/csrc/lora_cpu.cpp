@@ -125,12 +125,12 @@ inline Vec lane_sums(const Vec* v) {
 constexpr int64_t kBlock = 0;
 #endif
 
-// out[t, n] += scale * B[n] . h[t] for the slot's tokens. With R a multiple of the vector
-// width, kBlock outputs at a time: each B row folded into one Vec per token, the kBlock Vecs
-// reduced together (one store instead of kBlock horizontal sums). Every (t, n) is computed by
-// the same sequence whatever the other tokens.
+// out[t, n] = y[t, n] + scale * B[n] . h[t] for the slot's tokens. With R a multiple of the
+// vector width, kBlock outputs at a time: each B row folded into one Vec per token, the kBlock
+// Vecs reduced together (one store instead of kBlock horizontal sums). Every (t, n) is computed
+// by the same sequence whatever the other tokens.
 inline void expand(const float* B, int64_t R, int64_t N, float scale, const float* h,
-                   const int64_t* tokens, int64_t n_tok, float* out) {
+                   const int64_t* tokens, int64_t n_tok, const float* y, float* out) {
   constexpr int64_t L = Vec::size();
   int64_t n0 = 0;
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -147,32 +147,37 @@ inline void expand(const float* B, int64_t R, int64_t N, float scale, const floa
             a = at::vec::fmadd(Vec::loadu(Bn + k * R + j), Vec::loadu(ht + j), a);
           acc[k] = a;
         }
-        float* ot = out + tokens[p] * N + n0;
-        at::vec::fmadd(lane_sums(acc), vs, Vec::loadu(ot)).store(ot);
+        const int64_t o = tokens[p] * N + n0;
+        at::vec::fmadd(lane_sums(acc), vs, Vec::loadu(y + o)).store(out + o);
       }
     }
   }
 #endif
   for (int64_t p = 0; p < n_tok; ++p) {
     const float* ht = h + tokens[p] * R;
+    const float* yt = y + tokens[p] * N;
     float* ot = out + tokens[p] * N;
-    for (int64_t n = n0; n < N; ++n) ot[n] += scale * dot(B + n * R, ht, R);
+    for (int64_t n = n0; n < N; ++n) ot[n] = yt[n] + scale * dot(B + n * R, ht, R);
   }
 }
 
 // The tokens of each slot, in token order: tokens[start[s] .. start[s + 1]).
 struct Groups {
   std::vector<int64_t> start, tokens, active;   // active: the slots with tokens
+  std::vector<int64_t> plain;                    // the tokens without an adapter
 };
 
 template <typename I>
 Groups group_by_slot(const I* slots, int64_t T, int64_t S) {
-  Groups g{std::vector<int64_t>(S + 1, 0), {}, {}};
+  Groups g{std::vector<int64_t>(S + 1, 0), {}, {}, {}};
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = slots[t];
     TORCH_CHECK(s >= -1 && s < S, "kiln::lora_apply: slot ", s, " of token ", t,
                 " is neither -1 nor in [0, ", S, ")");
-    if (s >= 0) ++g.start[s + 1];
+    if (s >= 0)
+      ++g.start[s + 1];
+    else
+      g.plain.push_back(t);
   }
   for (int64_t s = 0; s < S; ++s) {
     if (g.start[s + 1]) g.active.push_back(s);
@@ -214,15 +219,24 @@ at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   const Groups g = sl.scalar_type() == at::kLong
                        ? group_by_slot(sl.data_ptr<int64_t>(), T, S)
                        : group_by_slot(sl.data_ptr<int32_t>(), T, S);
-  at::Tensor out = y.to(at::kFloat).contiguous();
-  if (y.scalar_type() == at::kFloat) out = out.clone();     // never write into y
-  if (g.active.empty() || R == 0) return out.to(y.scalar_type());
+  // The output is written once, here: y's row where a token has no adapter, y + delta by the
+  // slot's pass where it has one (no copy of y first: a torch copy of a step's [T, N] opens a
+  // parallel region of its own, which costs more than the rows it copies).
+  const at::Tensor yf = y.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({T, N}, yf.options());
+  const float* yp = yf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const auto result = [&] { return y.scalar_type() == at::kFloat ? out : out.to(y.scalar_type()); };
+  if (g.active.empty() || R == 0) {
+    std::copy(yp, yp + T * N, op);
+    return result();
+  }
+  for (const int64_t t : g.plain) std::copy(yp + t * N, yp + (t + 1) * N, op + t * N);
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor A = lora_a.contiguous(), B = lora_b.contiguous();
   const at::Tensor sc = scales.to(at::kFloat).contiguous();
   const float *xp = xf.data_ptr<float>(), *ap = A.data_ptr<float>(), *bp = B.data_ptr<float>();
   const float* scp = sc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   std::vector<float> h(T * R, 0.0f);                 // h[t] = A[slot t] @ x[t]
   // One item per active slot: shrink then expand its tokens, so a call opens one parallel
   // region with no barrier between the passes; the slots are spread over the threads (an idle
@@ -239,10 +253,10 @@ at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor
       const int64_t* tk = g.tokens.data() + g.start[s];
       const int64_t n_tok = g.start[s + 1] - g.start[s];
       shrink(ap + s * R * K, R, K, xp, tk, n_tok, h.data());
-      expand(bp + s * N * R, R, N, scp[s], h.data(), tk, n_tok, op);
+      expand(bp + s * N * R, R, N, scp[s], h.data(), tk, n_tok, yp, op);
     }
   });
-  return y.scalar_type() == at::kFloat ? out : out.to(y.scalar_type());
+  return result();
 }
 
 }  // namespace

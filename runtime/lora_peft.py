@@ -5,6 +5,13 @@ serve with what is wrong.
     base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_A.weight   [r, in]
     base_model.model.model.layers.{i}.mlp.{gate,up,down}_proj.lora_B.weight    [out, r]
 
+A checkpoint that fuses linears (Phi-3) has adapters on the fused ones; each maps onto the
+plan's modules it stacks (FUSED), which is exactly the same term: the one A for every part,
+B split by rows in the order the parts stack (q|k|v, gate|up).
+
+    self_attn.qkv_proj  A [r, hidden]  B [q + 2*kv, r]  ->  q_proj, k_proj, v_proj
+    mlp.gate_up_proj    A [r, hidden]  B [2*inter, r]   ->  gate_proj, up_proj
+
 scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora.
 """
 from __future__ import annotations
@@ -24,6 +31,8 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 _GGUF_QUANT = re.compile(r"[.-](?:i?q\d\w*|bf16|f16|f32)$")     # .Q4_1, -q4_k_m, -f16
+# a fused PEFT module -> the plan's modules it stacks along its output rows, in order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 class AdapterError(ValueError):
@@ -100,6 +109,26 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                            f"{e}") from None
 
 
+def _parts(path: Path, key: str, module: str, which: str, t: torch.Tensor, r: int,
+           section: LoraSection) -> list[tuple[str, torch.Tensor]]:
+    """[(plan module, its A or B)] of one adapter tensor: itself, or a fused module's parts
+    (A shared, B split by rows); AdapterError for a module or shape the plan cannot take."""
+    parts = FUSED.get(module, (module,))
+    missing = [p for p in parts if p not in section.target_modules]
+    if missing:
+        fused = f" (fused: {', '.join(parts)})" if module in FUSED else ""
+        raise AdapterError(f"{path}: the adapter changes {module}{fused}; this plan was built "
+                           f"for {', '.join(section.target_modules)} (lora.target_modules)")
+    outs = [section.out_features[p] for p in parts]
+    want = (r, section.in_features[parts[0]]) if which == "A" else (sum(outs), r)
+    if tuple(t.shape) != want:
+        raise AdapterError(f"{path}: {key} has shape {list(t.shape)}; the base model's "
+                           f"{module} with rank {r} needs {list(want)}")
+    if which == "A":
+        return [(p, t) for p in parts]
+    return list(zip(parts, t.split(outs, dim=0)))
+
+
 def load_peft(path, name: str, section: LoraSection, num_layers: int,
               base_model: Optional[str] = None) -> AdapterWeights:
     """The adapter at `path` in the plan's layout; AdapterError naming what does not fit."""
@@ -118,21 +147,14 @@ def load_peft(path, name: str, section: LoraSection, num_layers: int,
             raise AdapterError(f"{path}: tensor {key!r} is not a LoRA A/B weight of a decoder "
                                "layer's linear")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in section.target_modules:
-            raise AdapterError(f"{path}: the adapter changes {module}; this plan was built for "
-                               f"{', '.join(section.target_modules)} (lora.target_modules)")
         if layer >= num_layers:
             raise AdapterError(f"{path}: {key} is for layer {layer}; the model has "
                                f"{num_layers} layers")
-        want = ((r, section.in_features[module]) if which == "A"
-                else (section.out_features[module], r))
-        if tuple(t.shape) != want:
-            raise AdapterError(f"{path}: {key} has shape {list(t.shape)}; the base model's "
-                               f"{module} with rank {r} needs {list(want)}")
         dst = a if which == "A" else b
-        if module not in dst:
-            dst[module] = torch.zeros(num_layers, *want)
-        dst[module][layer] = t.float()
+        for part, w in _parts(path, key, module, which, t, r, section):
+            if part not in dst:
+                dst[part] = torch.zeros(num_layers, *w.shape)
+            dst[part][layer] = w.float()
     if set(a) != set(b) or not a:
         raise AdapterError(f"{path}: every module needs both lora_A and lora_B "
                            f"(A: {sorted(a)}, B: {sorted(b)})")

@@ -132,7 +132,8 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one linear."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one linear. A subclass
+    changes the gate's activation (`act`)."""
 
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
@@ -140,11 +141,14 @@ class GatedMLP(nn.Module):
         self.w13 = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # gate|up
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)        # down
 
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
     def forward(self, x, lora: Optional[LoraLayer] = None):
         gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
         if lora is None:
-            return self.w2(F.silu(gate) * up)
-        h = F.silu(lora.apply("gate_proj", gate, x)) * lora.apply("up_proj", up, x)
+            return self.w2(self.act(gate) * up)
+        h = self.act(lora.apply("gate_proj", gate, x)) * lora.apply("up_proj", up, x)
         return lora.apply("down_proj", self.w2(h), h)
 
 
@@ -158,6 +162,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.feed_forward = MoE(cfg) if layer in cfg.sparse_layers else GatedMLP(cfg)
         self.layer = layer
+
+    def lora_modules(self) -> tuple[str, ...]:
+        """The LoRA targets this layer applies: attention's, and the MLP's unless it is
+        experts (a mixture of experts takes no LoRA terms)."""
+        return LORA_MODULES if isinstance(self.feed_forward, GatedMLP) else ATTENTION_MODULES
 
     def forward(self, x, s: StepInputs, k_cache, v_cache):
         if s.lora is None:
@@ -188,22 +197,32 @@ class DecoderModel(nn.Module):
 
     def enable_lora(self, targets: tuple[str, ...]) -> None:
         """Make the step take adapters for `targets` (builder/arch/lora.py); ValueError naming
-        what the layers cannot take (a family with its own layer code, expert MLPs)."""
+        what the layers cannot take (expert MLPs; a layer that applies no LoRA terms)."""
         bad = [m for m in targets if m not in LORA_MODULES]
         if bad:
             raise ValueError(f"lora.target_modules: {bad[0]!r}; allowed: "
                              f"{', '.join(LORA_MODULES)}")
         family = self.cfg.family
-        if type(self).forward is not DecoderModel.forward or not all(
-                type(layer) is TransformerBlock for layer in self.layers):
-            raise ValueError(f"lora: the {family} family's layers do not take LoRA adapters "
-                             "in this version of kiln (the llama family's do)")
-        mlp = [m for m in targets if m not in ATTENTION_MODULES]
-        if mlp and not all(type(layer.feed_forward) is GatedMLP for layer in self.layers):
-            raise ValueError(f"lora.target_modules {mlp}: this {family} model's MLPs are "
-                             "experts (mixture of experts), which take no LoRA terms; target "
-                             f"attention modules only ({', '.join(ATTENTION_MODULES)})")
+        for layer in self.layers:
+            if not hasattr(layer, "lora_modules"):
+                raise ValueError(f"lora: the {family} family's layers "
+                                 f"({type(layer).__name__}) do not take LoRA adapters")
+            missing = [m for m in targets if m not in layer.lora_modules()]
+            if missing and isinstance(getattr(layer, "feed_forward", None), MoE):
+                raise ValueError(f"lora.target_modules {missing}: this {family} model's MLPs "
+                                 "are experts (mixture of experts), which take no LoRA terms; "
+                                 f"target attention modules only ({', '.join(ATTENTION_MODULES)})")
+            if missing:
+                raise ValueError(f"lora.target_modules {missing}: the {family} family's layers "
+                                 f"({type(layer).__name__}) take LoRA terms on "
+                                 f"{', '.join(layer.lora_modules())} only")
         self.lora_targets = tuple(targets)
+
+    def lora_step(self, slots, scales, lora_a, lora_b) -> Optional[LoraStep]:
+        """The step's adapter inputs by target (None: a step without them)."""
+        if slots is None:
+            return None
+        return LoraStep.of(self.lora_targets, slots, scales, lora_a, lora_b)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         if self.output is not None:
@@ -221,10 +240,8 @@ class DecoderModel(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if self.rope_scale != 1.0:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
-        lora = None if lora_slots is None else LoraStep.of(self.lora_targets, lora_slots,
-                                                           lora_scales, lora_a, lora_b)
         s = StepInputs(positions, slot_mapping, block_tables, context_lens, query_start_loc,
-                       cos, sin, lora)
+                       cos, sin, self.lora_step(lora_slots, lora_scales, lora_a, lora_b))
         x = self.tok_embeddings(input_ids)                              # [T, hidden]
         for layer, kc, vc in zip(self.layers, k_caches, v_caches):
             x = layer(x, s, kc, vc)

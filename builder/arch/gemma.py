@@ -38,6 +38,7 @@ from kiln.builder.arch.config import DecoderConfig, UnsupportedConfig
 from kiln.builder.arch.family import Family, hf_common
 from kiln.builder.arch.llama import HF_IGNORE
 from kiln.builder.arch.weights import Piece, Rule
+from kiln.contracts.manifest import LORA_MODULES
 
 ACTIVATIONS = ("gelu_pytorch_tanh",)
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -54,11 +55,11 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class GeGLU(GatedMLP):
-    """down(gelu_tanh(gate(x)) * up(x)); the same fused w13/w2 linears as SwiGLU."""
+    """down(gelu_tanh(gate(x)) * up(x)); the same fused w13/w2 linears (and LoRA terms) as
+    SwiGLU."""
 
-    def forward(self, x):
-        gate, up = self.w13(x).split([self.inter, self.inter], dim=-1)
-        return self.w2(F.gelu(gate, approximate="tanh") * up)
+    def act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 class GemmaBlock(nn.Module):
@@ -78,11 +79,17 @@ class GemmaBlock(nn.Module):
         self.ffn_norm = GemmaRMSNorm(h, eps)
         self.feed_forward = GeGLU(cfg)
         self.post_ffn_norm = GemmaRMSNorm(h, eps)
+        self.layer = layer
+
+    def lora_modules(self) -> tuple[str, ...]:
+        """Every LoRA target: the shared attention's and the GeGLU's linears."""
+        return LORA_MODULES
 
     def forward(self, x, s: StepInputs, k_cache, v_cache):
+        lora = None if s.lora is None else s.lora.layer(self.layer)
         x = x + self.post_attention_norm(self.attention(self.attention_norm(x), s, k_cache,
-                                                        v_cache))
-        return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
+                                                        v_cache, lora))
+        return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x), lora))
 
 
 def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
@@ -110,13 +117,17 @@ class GemmaModel(DecoderModel):
             local = rope_inv_freq(replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta))
             self.register_buffer("rope_global", glob, persistent=False)
             self.register_buffer("rope_local", local, persistent=False)
+        self.lora_targets: tuple[str, ...] = ()   # enable_lora
 
     def forward(self, input_ids, positions, slot_mapping, block_tables, context_lens,
                 query_start_loc, logits_indices, k_caches: list[torch.Tensor],
-                v_caches: list[torch.Tensor]) -> torch.Tensor:
-        """-> logits [N, vocab] float32 for the N rows in logits_indices."""
+                v_caches: list[torch.Tensor], lora_slots=None, lora_scales=None,
+                lora_a=None, lora_b=None) -> torch.Tensor:
+        """-> logits [N, vocab] float32 for the N rows in logits_indices; a plan with lora
+        also takes the adapters, as DecoderModel.forward."""
         s_global = StepInputs(positions, slot_mapping, block_tables, context_lens,
-                              query_start_loc, *_cos_sin(positions, self.rope_global))
+                              query_start_loc, *_cos_sin(positions, self.rope_global),
+                              lora=self.lora_step(lora_slots, lora_scales, lora_a, lora_b))
         s_local = replace(s_global, **dict(zip(("cos", "sin"),
                                                _cos_sin(positions, self.rope_local))))
         x = self.tok_embeddings(input_ids)                              # [T, hidden]

@@ -6,6 +6,9 @@ Weight tables: the Llama family's, with the fused sources taken as they are:
     wqkv = qkv_proj      [(H + 2*KVH) * D, hidden]    GGUF: blk.N.attn_qkv
     w13  = gate_up_proj  [2 * inter, hidden]          GGUF: blk.N.ffn_up (gate rows first)
 
+A PEFT adapter of a Phi-3 changes these fused linears (qkv_proj, gate_up_proj); it is read
+onto the plan's parts, q/k/v and gate/up, at load (runtime/lora_peft.py FUSED).
+
 llama.cpp runs phi3 with the NeoX rope, so its q/k rows are not permuted; it stores the
 LongRoPE factors as the tensors rope_factors_long / rope_factors_short (read into the
 config, not weights) and the cos/sin scale as rope.scaling.attn_factor.

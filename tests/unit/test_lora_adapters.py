@@ -86,6 +86,51 @@ def test_a_gguf_base_goes_by_its_model_and_directory_names(tmp_path, recorded, o
             load_peft(tmp_path / "a", "a", section(), L, base_model=base)
 
 
+def _fused_adapter(path, r=4, qkv_rows=32, gate_up_rows=48) -> dict[str, torch.Tensor]:
+    """A Phi-3-style PEFT adapter (hidden 16, q 16, kv 8, inter 24): A and B of the fused
+    qkv_proj and gate_up_proj of every layer."""
+    write_peft(path, section(), L, r, ())           # its adapter_config.json
+    from safetensors.torch import save_file
+
+    g, t = torch.Generator().manual_seed(0), {}
+    for i in range(L):
+        for key, rows in (("self_attn.qkv_proj", qkv_rows), ("mlp.gate_up_proj", gate_up_rows)):
+            k = f"base_model.model.model.layers.{i}.{key}"
+            t[k + ".lora_A.weight"] = torch.randn(r, 16, generator=g)
+            t[k + ".lora_B.weight"] = torch.randn(rows, r, generator=g)
+    save_file(t, str(path / "adapter_model.safetensors"))
+    return t
+
+
+def test_a_fused_adapter_is_read_onto_the_parts_the_plan_targets(tmp_path):
+    sec = section(targets=("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    t = _fused_adapter(tmp_path / "a")
+    w = load_peft(tmp_path / "a", "a", sec, L)
+    assert set(w.a) == set(w.b) == set(sec.target_modules)
+    for i in range(L):
+        for fused, parts in (("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             ("mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            k = f"base_model.model.model.layers.{i}.{fused}"
+            a, b = t[k + ".lora_A.weight"], t[k + ".lora_B.weight"]
+            assert all(torch.equal(w.a[p][i], a) for p in parts)
+            assert torch.equal(torch.cat([w.b[p][i] for p in parts]), b)   # rows in order
+    assert w.b["k_proj"].shape == (L, 8, 4) and w.b["up_proj"].shape == (L, 24, 4)
+
+
+@pytest.mark.parametrize("targets, rows, match", [
+    (("q_proj", "v_proj", "gate_proj", "up_proj"), 32,
+     "changes qkv_proj \\(fused: q_proj, k_proj, v_proj\\); this plan was built for q_proj, "
+     "v_proj, gate_proj, up_proj"),
+    (("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), 40,
+     "qkv_proj.lora_B.weight has shape \\[40, 4\\]; the base model's qkv_proj with rank 4 "
+     "needs \\[32, 4\\]"),
+])
+def test_a_fused_adapter_the_plan_cannot_take_is_refused(tmp_path, targets, rows, match):
+    _fused_adapter(tmp_path / "a", qkv_rows=rows)
+    with pytest.raises(AdapterError, match=match):
+        load_peft(tmp_path / "a", "a", section(targets=targets), L)
+
+
 def registry(tmp_path, n=3, **kw):
     sec = section(**kw)
     reg = AdapterRegistry(LoraBuffers(sec, L), L)

@@ -105,20 +105,28 @@ inline void shrink(const float* A, int64_t R, int64_t K, const float* x, const i
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t kBlock = Vec::size();
-// The 8 (16) lane sums of v[0..kBlock) as one Vec: lane k = the sum of v[k]'s lanes, each by
-// the same add tree.
-inline Vec lane_sums(const Vec* v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  alignas(64) float t[kBlock];
-  for (int64_t k = 0; k < kBlock; ++k)
-    t[k] = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, v[k]);
-  return Vec::loadu(t);
-#else
+// The 8 lane sums of 8 __m256 as one __m256 (lane k: v[k]'s sum), by one hadd tree.
+inline __m256 sums8(const __m256* v) {
   const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
   const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
   const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+// The 8 (16) lane sums of v[0..kBlock) as one Vec, each by the same add tree (512 bits: each
+// Vec's halves added, then the 256-bit tree over 8 at a time).
+inline Vec lane_sums(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256 half[kBlock];
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const __m512 w = v[k];
+    half[k] = _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps(w, 1));
+  }
+  return _mm512_insertf32x8(_mm512_castps256_ps512(sums8(half)), sums8(half + 8), 1);
+#else
+  __m256 w[kBlock];
+  for (int64_t k = 0; k < kBlock; ++k) w[k] = v[k];
+  return sums8(w);
 #endif
 }
 #else
@@ -138,6 +146,12 @@ inline void expand(const float* B, int64_t R, int64_t N, float scale, const floa
     const Vec vs(scale);
     for (; n0 + kBlock <= N; n0 += kBlock) {
       const float* Bn = B + n0 * R;
+      // The next block's rows of B (kBlock * R floats) asked for while this block's are summed:
+      // a step reads each adapter's B once, from memory, and the first token of a block
+      // otherwise waits on its loads (10% of SmolLM2's 32-token LoRA time)
+      if (n0 + 2 * kBlock <= N)
+        for (int64_t c = 0; c < kBlock * R; c += 64 / sizeof(float))
+          _mm_prefetch(reinterpret_cast<const char*>(Bn + kBlock * R + c), _MM_HINT_T0);
       for (int64_t p = 0; p < n_tok; ++p) {
         const float* ht = h + tokens[p] * R;
         Vec acc[kBlock];
@@ -240,14 +254,12 @@ at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   std::vector<float> h(T * R, 0.0f);                 // h[t] = A[slot t] @ x[t]
   // One item per active slot: shrink then expand its tokens, so a call opens one parallel
   // region with no barrier between the passes; the slots are spread over the threads (an idle
-  // thread takes the next slot). A call under kParallelFma multiply-adds (a decode step of a
-  // small model: about 1M at 32 tokens, rank 16, 576 -> 1536) runs on the calling thread:
-  // its 0.1 ms of work is less than what a region costs when a thread of it is descheduled.
-  constexpr int64_t kParallelFma = int64_t(1) << 22;
+  // thread takes the next slot). Reading the adapters bounds the op (32 decode tokens over 8
+  // rank-16 adapters: each float of A and B serves 4 tokens), so a region on every thread, with
+  // their share of the memory bandwidth, halves even a small model's decode call (SmolLM2's
+  // 210 calls of a 32-token step: 24 ms on one thread, 13 ms on two).
   const int64_t nA = static_cast<int64_t>(g.active.size());
-  const int64_t fma = static_cast<int64_t>(g.tokens.size()) * R * (K + N);
-  const int64_t chunk = fma < kParallelFma ? nA : 1;
-  kiln::parallel_chunks(nA, chunk, [&](int64_t lo, int64_t hi) {
+  kiln::parallel_chunks(nA, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i) {
       const int64_t s = g.active[i];
       const int64_t* tk = g.tokens.data() + g.start[s];

@@ -273,6 +273,17 @@ def rows16_digits_bound(x, qw) -> torch.Tensor:
     return (gmax.double() / (2 * 127 * 128)) @ dq.abs().T
 
 
+def bf16_on_tiles(x, w, lib=None) -> bool:
+    """Whether kiln::linear_bf16 of a kernel library (default: this host's) takes x @ w.T on
+    AMX-BF16 tiles (plugins/quant/csrc/bf16_gemm.h), which round x to bf16 first."""
+    from kiln.plugins import cpp_build
+    from kiln.plugins.quant import kernels
+
+    (m, k), n = x.shape, w.shape[0]
+    return (x.dtype == torch.float32 and m >= 8 and n >= 32 and k % 32 == 0
+            and "amx-bf16 tiles" in cpp_build.kernel_path(lib or kernels.build()))
+
+
 def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     """linear(x, quantized w, bias) == dequantize-then-F.linear, within a relative tolerance."""
     from kiln.plugins.quant import formats, ops
@@ -281,7 +292,10 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     out = linear(x, qw, bias)
     args = ((qw.qweight, qw.scales, qw.zeros, qw.group_size) if qw.scheme == "int4" else
             (qw.qweight, qw.scales, qw.zeros) if qw.scheme == "int4_a8" else (qw.qweight, qw.scales))
-    ref = ops.REFERENCES[scheme](x, *args, bias)
+    # bf16 weights on AMX-BF16 tiles (a batch's rows): x is rounded to bf16 first, products
+    # summed in float32 (plugins/quant/csrc/bf16_gemm.h)
+    xr = x.bfloat16().float() if scheme == "bf16" and bf16_on_tiles(x, w) else x
+    ref = ops.REFERENCES[scheme](xr, *args, bias)
     assert out.shape == ref.shape and out.dtype == x.dtype
     scale = ref.float().abs().max().item() + 1e-6
     tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 2e-5

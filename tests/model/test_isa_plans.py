@@ -143,7 +143,7 @@ import sys, torch
 from kiln.plugins import isa
 from kiln.plugins.quant import formats, kernels, ops
 from kiln.plugins.cpp_build import kernel_path
-from tests.helpers import rows16_digits_bound
+from tests.helpers import bf16_on_tiles, rows16_digits_bound
 lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
 print(kernel_path(lib))
@@ -173,7 +173,8 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
         for scheme in ("int8", "int4", "fp8", "bf16", "fp32"):
             q = formats.quantize(w, scheme, 32 if scheme == "int4" else None)
             args = (q.qweight, q.scales, q.zeros, 32) if scheme == "int4" else (q.qweight, q.scales)
-            ref = ops.REFERENCES[scheme](x, *args, b)
+            xr = x.bfloat16().float() if scheme == "bf16" and bf16_on_tiles(x, w, lib) else x
+            ref = ops.REFERENCES[scheme](xr, *args, b)
             out = ops.quant_linear(x, q, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, m, n, k)
     for scheme in ("int8", "fp8", "bf16", "fp32"):   # one row of x: weight rows in groups
@@ -210,6 +211,7 @@ def test_quant_kernels_match_references_at_every_level(level):
         level, "w8a8: avx512-vnni")
     assert want in path and want.replace("w8a8", "w4a8") in path, path
     assert ("amx tiles" in path) == (level == "amx"), path   # AMX code at that level only
+    assert ("amx-bf16 tiles" in path) == (level == "amx"), path
 
 
 ATTENTION = r"""

@@ -75,6 +75,7 @@ inline const TileConfig& tile_config() {
 
 // x [M, K] int8 -> B tiles: for each block of 16 rows of x and each 64 k, 1 KiB whose row p
 // holds, for x-rows j = 0..15, the 4 bytes x[16 b + j, 64 c + 4 p .. + 3] (zeros past M).
+// In bytes, so a bf16 x (K = 2 x its elements) packs the same way: 2 k a dword.
 inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K) {
   const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
   std::vector<int8_t> b(static_cast<size_t>(mblocks * kchunks * 1024), 0);
@@ -120,7 +121,23 @@ inline void store_transposed(const int32_t* buf, int64_t n0, int64_t m0, int64_t
   }
 }
 
-// 32 weight rows [n0, n0 + 32) (both A tiles valid) against every block pair of x.
+// One tile product C += A B: int8 (4 k a dword, int32 sums) or, with kBf16, bf16 (2 k a
+// dword, float32 sums: bf16_gemm.h), whose tiles are laid out alike in bytes.
+#if defined(__AMX_BF16__)
+#define KILN_TILE_DP(c, a, b)                 \
+  do {                                        \
+    if constexpr (kBf16)                      \
+      _tile_dpbf16ps(c, a, b);                \
+    else                                      \
+      _tile_dpbssd(c, a, b);                  \
+  } while (0)
+#else
+#define KILN_TILE_DP(c, a, b) _tile_dpbssd(c, a, b)
+#endif
+
+// 32 weight rows [n0, n0 + 32) (both A tiles valid) against every block pair of x. K counts
+// bytes of a row (int8: its elements; bf16: twice them); acc takes the C tiles' 32-bit words.
+template <bool kBf16 = false>
 inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
                        int32_t* acc, int64_t N) {
   const int64_t kchunks = K / 64, mblocks = (M + 15) / 16;
@@ -139,18 +156,18 @@ inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, 
         _tile_loadd(5, w + (n0 + 16) * K + c * 64, K);
         _tile_loadd(6, b0 + c * 1024, 64);
         _tile_loadd(7, b1 + c * 1024, 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
+        KILN_TILE_DP(0, 4, 6);
+        KILN_TILE_DP(1, 4, 7);
+        KILN_TILE_DP(2, 5, 6);
+        KILN_TILE_DP(3, 5, 7);
       }
     } else {   // the last 16 rows of x (or fewer): tiles 1 and 3 stay zero, unused
       for (int64_t c = 0; c < kchunks; ++c) {
         _tile_loadd(4, w + n0 * K + c * 64, K);
         _tile_loadd(5, w + (n0 + 16) * K + c * 64, K);
         _tile_loadd(6, b0 + c * 1024, 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(2, 5, 6);
+        KILN_TILE_DP(0, 4, 6);
+        KILN_TILE_DP(2, 5, 6);
       }
     }
     _tile_stored(0, buf[0], 64);

@@ -97,6 +97,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
               op, ": weight must be contiguous bfloat16 [N, K]");
   const int64_t N = weight.size(0), K = weight.size(1);
   Bf16Dec d{static_cast<const uint16_t*>(weight.data_ptr()), K};
+#if KILN_BF16_GEMM_AMX
+  // a batch's rows (prefill, decode batches) in bf16 on the tiles (bf16_gemm.h); fewer rows
+  // stream the weights through the float GEMV, which reads them at the same rate
+  if (x.dim() == 2 && x.size(0) >= kTileMinM &&
+      kiln_bf16::bf16_gemm_on_tiles(x.size(0), N, K)) {
+    Prepared p = prepare(x, N, K, bias, op);
+    kiln_bf16::bf16_gemm(p.x, d.q, N, K, p.bias.defined() ? p.bias.data_ptr<float>() : nullptr,
+                         p.out.data_ptr<float>());
+    return p.result(x);
+  }
+#endif
   return run(d, x, N, K, bias, op);
 }
 

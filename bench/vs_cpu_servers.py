@@ -7,16 +7,19 @@ Peers from `bash ../shared/peers/vllm-ov-setup.sh --no-sanity`: /tmp/peer-vllm (
 with `vllm bench serve`), /tmp/peer-ov (openvino-genai), /tmp/peer-models (the HF directory
 converted from the GGUF Kiln's plans are built from, and its OpenVINO IR at fp32/int8/int4).
 
-Server mode: each system is started alone (`vllm serve` at fp32; `kiln serve --http-port` per
-plan), driven by one client for all, `vllm bench serve` (OpenAI completions, streaming, random
-prompts of --input-len tokens, --output-len output tokens with ignore_eos so every system
-generates the same count, greedy) at each concurrency, then stopped. Reported from its
+Server mode: each system is started alone (`vllm serve` at fp32 and bf16; `kiln serve
+--http-port` per plan), driven by one client for all, `vllm bench serve` (OpenAI completions,
+streaming, random prompts of --input-len tokens, --output-len output tokens with ignore_eos so
+every system generates the same count, greedy) at each concurrency, then stopped. Reported from its
 --save-result JSON: output tokens/s, TTFT and TPOT p50/p99. OpenVINO GenAI's pip packages ship
 no OpenAI-compatible server (OpenVINO Model Server is a separate C++ server), so it has none.
 
 In-process mode: OpenVINO GenAI's ContinuousBatchingPipeline (in /tmp/peer-ov's python) and
 Kiln's Engine (this venv), each in its own process, given the same prompts as token ids, all
 of a batch submitted at once, --output-len greedy tokens each (ignore_eos): output tokens/s.
+OpenVINO's CPU plugin computes an fp32 IR in bf16 by default where the CPU has AMX or AVX-512
+BF16: its fp32 system asks for f32 (INFERENCE_PRECISION_HINT), its bf16 system runs the same
+IR at bf16, against Kiln's fp32 and bf16 plans.
 
 Rounds alternate the systems (the order reversed every other round) so load drift hits all;
 medians and the ratios Kiln/peer (matched precision; fastest vs fastest) are printed. Every
@@ -43,10 +46,18 @@ VLLM_VENV = Path("/tmp/peer-vllm")
 OV_VENV = Path("/tmp/peer-ov")
 MODELS = Path("/tmp/peer-models")
 SERVED = "smollm2-135m"
-KILN_PLANS = {"fp32": "plans/smollm2-135m-cpu", "int8": "plans/smollm2-135m-int8-cpu",
+KILN_PLANS = {"fp32": "plans/smollm2-135m-cpu", "bf16": "plans/smollm2-135m-bf16-cpu",
+              "int8": "plans/smollm2-135m-int8-cpu",
               "int4": "plans/smollm2-135m-int4-cpu",
               "w4a8": "plans/smollm2-135m-throughput-cpu"}
-OV_FORMATS = ("fp32", "int8", "int4")
+# OpenVINO systems: (IR directory, INFERENCE_PRECISION_HINT). Its CPU plugin computes an fp32
+# IR in bf16 by default where the CPU has AMX or AVX-512 BF16, so the matched fp32 system
+# asks for f32 and its bf16 system is the fp32 IR at bf16; the int8 / int4 IRs (weights
+# compressed) keep the plugin's default for their activations.
+OV_SYSTEMS = {"fp32": ("ov-fp32", "f32"), "bf16": ("ov-fp32", "bf16"),
+              "int8": ("ov-int8", None), "int4": ("ov-int4", None)}
+OV_FORMATS = tuple(OV_SYSTEMS)
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
@@ -76,15 +87,17 @@ def vllm_env(threads: int) -> dict:
 
 
 def start_server(system: str, threads: int, log: Path) -> tuple[subprocess.Popen, int]:
-    """`vllm serve` (system 'vllm-fp32') or `kiln serve PLAN --http-port` ('kiln-<precision>'),
-    alone, with `threads` compute threads; returns once its /health answers 200."""
+    """`vllm serve` (system 'vllm-fp32' or 'vllm-bf16') or `kiln serve PLAN --http-port`
+    ('kiln-<precision>'), alone, with `threads` compute threads; returns once its /health
+    answers 200."""
     from bench.grpc_vs_inprocess import free_port
 
     port = free_port()
-    if system == "vllm-fp32":
+    if system.startswith("vllm-"):
         cmd = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(MODELS / "smollm2-135m-hf"),
                "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32"]
+               "--dtype", VLLM_DTYPES[system.split("-", 1)[1]], "--max-model-len", "2048",
+               "--max-num-seqs", "32"]
         env = vllm_env(threads)
     else:
         plan = KILN_PLANS[system.split("-", 1)[1]]
@@ -174,13 +187,18 @@ def child_ov(spec: dict) -> dict:
     sc = g.SchedulerConfig()
     sc.max_num_seqs, sc.max_num_batched_tokens, sc.cache_size = 32, 512, 1
     props = {"INFERENCE_NUM_THREADS": spec["threads"]}
+    if spec.get("precision_hint"):
+        props["INFERENCE_PRECISION_HINT"] = spec["precision_hint"]
     if spec.get("ov_kv_precision"):                   # default: the CPU plugin's (u8)
         props["KV_CACHE_PRECISION"] = spec["ov_kv_precision"]
     pipe = g.ContinuousBatchingPipeline(spec["model"], sc, "CPU", props)
     cfg = g.GenerationConfig()
     cfg.max_new_tokens = cfg.min_new_tokens = spec["output_len"]
     cfg.do_sample, cfg.ignore_eos = False, True
-    out = {"kv_cache_precision": str(ov.Core().get_property("CPU", "KV_CACHE_PRECISION"))}
+    core = ov.Core()
+    out = {"kv_cache_precision": str(core.get_property("CPU", "KV_CACHE_PRECISION")),
+           "inference_precision": spec.get("precision_hint")
+           or str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))}
 
     def run(prompts):
         ids = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
@@ -230,7 +248,8 @@ def inprocess_round(system: str, args, prompts: list[list[int]]) -> dict:
             "batches": args.batches, "ov_kv_precision": args.ov_kv_precision}
     kind, fmt = system.split("-", 1)
     if kind == "ov":
-        spec["model"] = str(MODELS / f"ov-{fmt}")
+        ir, spec["precision_hint"] = OV_SYSTEMS[fmt]
+        spec["model"] = str(MODELS / ir)
         python = str(OV_VENV / "bin" / "python")
     else:
         spec["plan"] = KILN_PLANS[fmt]
@@ -312,6 +331,7 @@ def main() -> None:
     ap.add_argument("--kiln", nargs="+", default=list(KILN_PLANS), choices=list(KILN_PLANS),
                     help="Kiln plans to run (by precision)")
     ap.add_argument("--ov", nargs="+", default=list(OV_FORMATS), choices=list(OV_FORMATS))
+    ap.add_argument("--vllm", nargs="+", default=list(VLLM_DTYPES), choices=list(VLLM_DTYPES))
     ap.add_argument("--ov-kv-precision", default=None,
                     help="OpenVINO's KV_CACHE_PRECISION (e.g. f32; default: its CPU default, u8)")
     ap.add_argument("--json", type=Path, default=None)
@@ -327,7 +347,7 @@ def main() -> None:
     if "server" in args.mode:
         levels = [str(c) for c in args.concurrency]
         with tempfile.TemporaryDirectory() as tmp:
-            rounds = alternate(["vllm-fp32", *kilns], args.rounds,
+            rounds = alternate([*(f"vllm-{d}" for d in args.vllm), *kilns], args.rounds,
                                lambda s: server_round(s, args, Path(tmp)))
         med = medians(rounds, levels)
         report["server"] = {"rounds": rounds, "median": med,

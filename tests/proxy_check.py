@@ -257,6 +257,16 @@ def _requests_served(replica: HttpServerProcess) -> int:
                    if k.startswith("kiln_requests_total{")))
 
 
+def _wait_in_flight(replica: HttpServerProcess, timeout: float) -> None:
+    """Return once the replica's metrics show a request in flight (or after `timeout`: the
+    report's in_flight_at_sigterm then says what the drain saw)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if replica.metrics().get("kiln_requests_in_flight", 0) > 0:
+            return
+        time.sleep(0.005)
+
+
 def _load(tally: Tally, stop: threading.Event, nginx: Nginx, model: str, streams: int,
           max_tokens: int) -> list[threading.Thread]:
     """`streams` client threads, one request at a time each until `stop`: three in four
@@ -324,6 +334,7 @@ def run_check(plan: Path, workdir: Path, streams: int = 32, max_tokens: int = 48
         spread = [_requests_served(r) for r in replicas]
         threads = _load(tally, stop, nginx, model, streams, max_tokens)
         _wait_for(tally, tally.completed + 2 * streams, 300)
+        _wait_in_flight(replicas[0], 30)   # a tiny model's requests are short: catch some
         replicas[0].proc.send_signal(signal.SIGTERM)
         not_serving = _watch_not_serving(replicas[0])
         code = replicas[0].proc.wait()

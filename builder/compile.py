@@ -243,15 +243,13 @@ def _runs_rows16(model: torch.nn.Module) -> bool:
                for m in model.modules())
 
 
-def _rounds_bf16(model: torch.nn.Module, plan_dir: Path) -> bool:
+def _rounds_bf16(model: torch.nn.Module, engine: EngineSection) -> bool:
     """Whether the model's bf16 linears take a batch's rows on AMX-BF16 tiles, which round
-    each input to bf16 (plugins/quant/csrc/bf16_gemm.h: the plan's kernel says so)."""
-    from kiln.plugins.cpp_build import kernel_path
+    each input to bf16 (plugins/quant/csrc/bf16_gemm.h: the plan's kernel path says so)."""
     from kiln.plugins.quant.modules import QuantLinear
 
-    lib = plan_dir / "kernels" / "kiln_quant.so"
     return (any(isinstance(m, QuantLinear) and m.scheme == "bf16" for m in model.modules())
-            and lib.is_file() and "amx-bf16 tiles" in kernel_path(lib))
+            and any("amx-bf16 tiles" in path for path in engine.kernel_paths.values()))
 
 
 @torch.no_grad()
@@ -314,7 +312,7 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     # The accuracy gate then measures the compiled plan against the float model.
     if spec.precision.activations == "int8":
         tol = 0.1 * max(scale, 1.0)
-    elif _runs_rows16(model) or _rounds_bf16(model, plan_dir):
+    elif _runs_rows16(model) or _rounds_bf16(model, engine):
         tol = 0.25
     elif kv_dtype in kv_format.QUANTIZED:
         tol = 0.25 if kv_dtype == "int8" else 0.5

@@ -7,9 +7,11 @@ step. Blocks are handed out contiguously or shuffled (to catch block-table bugs)
 """
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -29,7 +31,6 @@ def load_package(package) -> Callable:
     a private directory that is removed once loaded (torch's aoti_load_package leaves its
     unpacked copy in /tmp whenever its loader is not collected)."""
     import tempfile
-    from pathlib import Path
 
     from kiln.runtime.plan import load_aoti_package
 
@@ -273,15 +274,24 @@ def rows16_digits_bound(x, qw) -> torch.Tensor:
     return (gmax.double() / (2 * 127 * 128)) @ dq.abs().T
 
 
-def bf16_on_tiles(x, w, lib=None) -> bool:
-    """Whether kiln::linear_bf16 of a kernel library (default: this host's) takes x @ w.T on
-    AMX-BF16 tiles (plugins/quant/csrc/bf16_gemm.h), which round x to bf16 first."""
+@functools.lru_cache(maxsize=None)
+def _has_bf16_tiles(lib: Path) -> bool:
     from kiln.plugins import cpp_build
+
+    return "amx-bf16 tiles" in cpp_build.kernel_path(lib)
+
+
+def reference_input(x, w, scheme: str, lib=None):
+    """The x a quant linear's reference takes for kiln's kernel of a library (default: this
+    host's): bf16-rounded where kiln::linear_bf16 runs x @ w.T on AMX-BF16 tiles
+    (plugins/quant/csrc/bf16_gemm.h: a float32 batch of 8+ rows, N >= 32, K a multiple of 32),
+    else x itself."""
     from kiln.plugins.quant import kernels
 
     (m, k), n = x.shape, w.shape[0]
-    return (x.dtype == torch.float32 and m >= 8 and n >= 32 and k % 32 == 0
-            and "amx-bf16 tiles" in cpp_build.kernel_path(lib or kernels.build()))
+    tiles = (scheme == "bf16" and x.dtype == torch.float32 and m >= 8 and n >= 32
+             and k % 32 == 0 and _has_bf16_tiles(Path(lib or kernels.build())))
+    return x.bfloat16().float() if tiles else x
 
 
 def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
@@ -292,10 +302,7 @@ def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:
     out = linear(x, qw, bias)
     args = ((qw.qweight, qw.scales, qw.zeros, qw.group_size) if qw.scheme == "int4" else
             (qw.qweight, qw.scales, qw.zeros) if qw.scheme == "int4_a8" else (qw.qweight, qw.scales))
-    # bf16 weights on AMX-BF16 tiles (a batch's rows): x is rounded to bf16 first, products
-    # summed in float32 (plugins/quant/csrc/bf16_gemm.h)
-    xr = x.bfloat16().float() if scheme == "bf16" and bf16_on_tiles(x, w) else x
-    ref = ops.REFERENCES[scheme](xr, *args, bias)
+    ref = ops.REFERENCES[scheme](reference_input(x, w, scheme), *args, bias)
     assert out.shape == ref.shape and out.dtype == x.dtype
     scale = ref.float().abs().max().item() + 1e-6
     tol = 1e-2 if x.dtype in (torch.bfloat16, torch.float16) else 2e-5

@@ -143,7 +143,7 @@ import sys, torch
 from kiln.plugins import isa
 from kiln.plugins.quant import formats, kernels, ops
 from kiln.plugins.cpp_build import kernel_path
-from tests.helpers import bf16_on_tiles, rows16_digits_bound
+from tests.helpers import reference_input, rows16_digits_bound
 lib = kernels.build(isa.LEVELS[sys.argv[1]])
 kernels.load(lib)
 print(kernel_path(lib))
@@ -173,8 +173,7 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
         for scheme in ("int8", "int4", "fp8", "bf16", "fp32"):
             q = formats.quantize(w, scheme, 32 if scheme == "int4" else None)
             args = (q.qweight, q.scales, q.zeros, 32) if scheme == "int4" else (q.qweight, q.scales)
-            xr = x.bfloat16().float() if scheme == "bf16" and bf16_on_tiles(x, w, lib) else x
-            ref = ops.REFERENCES[scheme](xr, *args, b)
+            ref = ops.REFERENCES[scheme](reference_input(x, w, scheme, lib), *args, b)
             out = ops.quant_linear(x, q, b)
             assert (out - ref).abs().max() <= 2e-5 * ref.abs().max(), (scheme, m, n, k)
     for scheme in ("int8", "fp8", "bf16", "fp32"):   # one row of x: weight rows in groups

@@ -13,7 +13,7 @@
 // Elsewhere (no tiles, or shapes they do not take) the caller keeps its float path.
 #pragma once
 
-#include "int8_gemm.h"   // KILN_INT8_GEMM_AMX, amx_ready, tile_config, pack_b, amx_rows32
+#include "int8_gemm.h"   // KILN_INT8_GEMM_AMX, amx_ready, pack_b, amx_row_blocks
 
 #if KILN_INT8_GEMM_AMX && defined(__AMX_BF16__)
 #define KILN_BF16_GEMM_AMX 1
@@ -43,19 +43,13 @@ inline void bf16_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t
   const int8_t* xbytes = static_cast<const int8_t*>(xb.data_ptr());
   const int8_t* wbytes = reinterpret_cast<const int8_t*>(w);
   const std::vector<int8_t> b = kiln_int8::pack_b(xbytes, M, 2 * K);
-  int32_t* acc = reinterpret_cast<int32_t*>(out);
-  const int64_t blocks = N / 32;
-  kiln::parallel_chunks(blocks, 4, [&](int64_t i0, int64_t i1) {
-    _tile_loadconfig(&kiln_int8::tile_config());
-    for (int64_t i = i0; i < i1; ++i)
-      kiln_int8::amx_rows32<true>(wbytes, i * 32, 2 * K, b.data(), M, acc, N);
-    _tile_release();
-  });
+  kiln_int8::amx_row_blocks<true>(wbytes, 2 * K, b.data(), M, reinterpret_cast<int32_t*>(out),
+                                  N);
   // the last N % 32 weight rows (at most 31): float sums of the same bf16 products
   const auto* xh = static_cast<const c10::BFloat16*>(xb.data_ptr());
   const auto* wh = reinterpret_cast<const c10::BFloat16*>(w);
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = blocks * 32; n < N; ++n) {
+    for (int64_t n = N / 32 * 32; n < N; ++n) {
       float s = 0.0f;
       for (int64_t k = 0; k < K; ++k) s += float(xh[m * K + k]) * float(wh[n * K + k]);
       out[m * N + n] = s;

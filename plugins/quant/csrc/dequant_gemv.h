@@ -30,14 +30,15 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
+#if KILN_INT8_GEMM_AMX
 #if KILN_BF16_GEMM_AMX
+#define KILN_QUANT_BF16_PATH ", bf16 from 8 rows on amx-bf16 tiles"
+#else
+#define KILN_QUANT_BF16_PATH ""
+#endif
 #define KILN_QUANT_PATH                                                                     \
   "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits, int8 from " \
-  "8 rows on amx tiles, bf16 from 8 rows on amx-bf16 tiles"
-#elif KILN_INT8_GEMM_AMX
-#define KILN_QUANT_PATH                                                                     \
-  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits, int8 from " \
-  "8 rows on amx tiles"
+  "8 rows on amx tiles" KILN_QUANT_BF16_PATH
 #elif KILN_INT8_DOT_VNNI
 #define KILN_QUANT_PATH \
   "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"

@@ -185,6 +185,18 @@ inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, 
   }
 }
 
+// Every whole block of 32 weight rows (N / 32 of them) against x's B tiles, spread over the
+// engine's threads, each with the tile configuration loaded for its chunks.
+template <bool kBf16 = false>
+inline void amx_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t M,
+                           int32_t* acc, int64_t N) {
+  kiln::parallel_chunks(N / 32, 4, [&](int64_t i0, int64_t i1) {
+    _tile_loadconfig(&tile_config());
+    for (int64_t i = i0; i < i1; ++i) amx_rows32<kBf16>(w, i * 32, K, b, M, acc, N);
+    _tile_release();
+  });
+}
+
 // The last N % 32 weight rows: scalar dot products (at most 31 rows).
 inline void scalar_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* x,
                         int64_t M, int32_t* acc, int64_t N) {
@@ -212,13 +224,8 @@ inline at::Tensor int8_gemm(const int8_t* x, int64_t M, const int8_t* w, int64_t
     at::Tensor out = at::empty({M, N}, at::TensorOptions().dtype(at::kInt));
     int32_t* acc = out.data_ptr<int32_t>();
     const std::vector<int8_t> b = pack_b(x, M, K);
-    const int64_t blocks = N / 32;
-    kiln::parallel_chunks(blocks, 4, [&](int64_t i0, int64_t i1) {
-      _tile_loadconfig(&tile_config());
-      for (int64_t i = i0; i < i1; ++i) amx_rows32(w, i * 32, K, b.data(), M, acc, N);
-      _tile_release();
-    });
-    scalar_rows(w, blocks * 32, N, K, x, M, acc, N);
+    amx_row_blocks(w, K, b.data(), M, acc, N);
+    scalar_rows(w, N / 32 * 32, N, K, x, M, acc, N);
     return out;
   }
 #endif

@@ -286,7 +286,7 @@ def _enable_lora(model, spec: Spec) -> Optional[LoraSection]:
     targets = spec.lora.target_modules
     return LoraSection(max_rank=spec.lora.max_rank, target_modules=targets,
                        max_adapters_per_batch=spec.lora.max_adapters_per_batch,
-                       max_cpu_adapters=spec.lora.max_cpu_adapters,
+                       max_cpu_adapters=spec.lora.max_cpu_adapters, dtype=spec.lora.dtype,
                        in_features={m: dims[m][0] for m in targets},
                        out_features={m: dims[m][1] for m in targets})
 

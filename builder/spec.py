@@ -260,6 +260,10 @@ class LoraSpec(_Strict):
     max_adapters_per_batch: int = Field(default=4, ge=1, le=64, description="different "
                                         "adapters in one engine step (requests of more wait)")
     max_cpu_adapters: int = Field(default=16, ge=1, description="adapters loaded at once")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32", description="how the step holds the adapters' A and B: bfloat16 "
+        "halves the bytes each step reads (the LoRA terms' cost), float32 keeps PEFT's "
+        "float32 weights exactly")
 
     @field_validator("target_modules")
     @classmethod

@@ -341,8 +341,11 @@ class LoraSection(_Section):
     max_cpu_adapters: int                # adapters loaded at once
     in_features: dict[str, int]          # module -> its input width
     out_features: dict[str, int]         # module -> its output width
+    dtype: str = "float32"               # the stacked A and B: float32 | bfloat16
 
     def _validate(self, path: str) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ManifestError(f"{path}.dtype", f"{self.dtype!r}; float32 or bfloat16")
         bad = [m for m in self.target_modules if m not in LORA_MODULES]
         if bad or not self.target_modules:
             raise ManifestError(f"{path}.target_modules", f"{list(self.target_modules)}; "

@@ -1,7 +1,8 @@
 """The adapter inputs of a plan built with `lora`: S slots of stacked A/B weights and scales
 that the step reads (builder/arch/lora.py), and the per-token slot of each step.
 
-    scales [S] float32;  per target module: a [L, S, R, in], b [L, S, out, R]
+    scales [S] float32;  per target module: a [L, S, R, in], b [L, S, out, R] (the section's
+    dtype: an adapter's float32 weights are rounded to bfloat16 when written into a slot)
 
 An adapter is written into a slot (its rank zero-padded to R, modules it does not change
 left zero) and stays there until the slot is given to another; a step only passes each
@@ -38,11 +39,12 @@ class LoraBuffers:
     def __init__(self, section: LoraSection, num_layers: int, device="cpu"):
         self.section = section
         S, R = section.max_adapters_per_batch, section.max_rank
+        dtype = getattr(torch, section.dtype)
         self.scales = torch.zeros(S, dtype=torch.float32, device=device)
-        self.a = [torch.zeros(num_layers, S, R, section.in_features[m], device=device)
-                  for m in section.target_modules]
-        self.b = [torch.zeros(num_layers, S, section.out_features[m], R, device=device)
-                  for m in section.target_modules]
+        self.a = [torch.zeros(num_layers, S, R, section.in_features[m], dtype=dtype,
+                              device=device) for m in section.target_modules]
+        self.b = [torch.zeros(num_layers, S, section.out_features[m], R, dtype=dtype,
+                              device=device) for m in section.target_modules]
 
     @property
     def num_slots(self) -> int:

@@ -7,7 +7,7 @@ The step's extra inputs (runtime/lora.py fills them):
     lora_slots  [T] int64             each token's adapter slot (-1: the base model)
     lora_scales [S] float32           each slot's scale (lora_alpha / r, or / sqrt(r): rsLoRA)
     lora_a      per target module     [L, S, R, in]  (ranks below R zero-padded)
-    lora_b      per target module     [L, S, out, R]
+    lora_b      per target module     [L, S, out, R]  (A and B: float32 or bfloat16, lora.dtype)
 
 Target modules by PEFT's names; kiln's fused linears take them on their parts:
 

@@ -4,7 +4,7 @@ per-device choice of kernel.
 One call adds the low-rank deltas of every token's adapter to a linear's output:
 
     y [T, N] (the base linear's output); x [T, K] (its input); slots [T] int64
-    lora_a [S, R, K]; lora_b [S, N, R]; scales [S] float32
+    lora_a [S, R, K]; lora_b [S, N, R] (float32, or bfloat16 for both); scales [S] float32
     out[t] = y[t] + scales[s] * lora_b[s] @ (lora_a[s] @ x[t])   with s = slots[t] >= 0
     out[t] = y[t]                                                where slots[t] == -1
 
@@ -45,6 +45,9 @@ def check_args(y, x, slots, lora_a, lora_b, scales) -> None:
                          f"{list(y.shape)}")
     if tuple(scales.shape) != (s,):
         raise ValueError(f"kiln::lora_apply: scales {list(scales.shape)}, [{s}] expected")
+    if lora_a.dtype not in (torch.float32, torch.bfloat16) or lora_b.dtype != lora_a.dtype:
+        raise ValueError(f"kiln::lora_apply: lora_a and lora_b both float32 or both bfloat16; "
+                         f"got {lora_a.dtype} and {lora_b.dtype}")
     if slots.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"kiln::lora_apply: slots of dtype {slots.dtype}; int64 or int32")
 

@@ -61,7 +61,7 @@ def describe(m: PlanManifest, path: Path | str = "") -> str:
           if m.speculative and (d := m.speculative.draft) else []),
         *([("lora", f"max_rank {lo.max_rank}, targets {', '.join(lo.target_modules)}, "
                     f"{lo.max_adapters_per_batch} adapters per step, {lo.max_cpu_adapters} "
-                    "loaded at most")] if (lo := m.lora) else []),
+                    f"loaded at most, {lo.dtype} A and B")] if (lo := m.lora) else []),
         ("size", f"{human_bytes(m.total_bytes)} in {len(m.files)} files: " + ", ".join(
             f"{k} {human_bytes(v.size)}" for k, v in m.files.items())),
         ("fingerprint", m.fingerprint),

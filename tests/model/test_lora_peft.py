@@ -56,16 +56,20 @@ def setup(tmp_path_factory):
         refs[name] = _peft_model(base_dir, name, seed=i + 1)
         refs[name].save_pretrained(root / name)
         dirs[name] = root / name
-    spec = {"name": "tiny-lora-peft", "model": {"source": str(base_dir)},
+    return _build(root, base_dir, "float32"), base_dir, dirs, refs
+
+
+def _build(root, base_dir, dtype: str):
+    """The tiny model's fp32 plan with a lora section whose A and B are `dtype`."""
+    name = "tiny-lora-peft" + ("" if dtype == "float32" else f"-{dtype}")
+    spec = {"name": name, "model": {"source": str(base_dir)},
             "target": {"device": "cpu"}, "precision": {"weights": "fp32"},
             "limits": {"max_batch_size": 8, "max_seq_len": 128, "max_num_tokens": 64},
             "kv_cache": {"tokens_per_block": 16, "memory": "8MiB"},
             "lora": {"max_rank": 16, "target_modules": ALL, "max_adapters_per_batch": 2,
-                     "max_cpu_adapters": 4}}
-    (root / "spec.yaml").write_text(yaml.safe_dump(spec))
-    plan = build(root / "spec.yaml", TEST_PLANS / "tiny-lora-peft",
-                 progress=Progress(enabled=False)).path
-    return plan, base_dir, dirs, refs
+                     "max_cpu_adapters": 4, "dtype": dtype}}
+    (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))
+    return build(root / f"{name}.yaml", TEST_PLANS / name, progress=Progress(enabled=False)).path
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +128,26 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(setup, engine, tm
     assert "big" not in engine.adapters.names()
     res = engine.generate([PROMPTS[0]], _greedy("qv8"))[0]
     assert len(res.token_ids) == NEW_TOKENS
+
+
+def test_bfloat16_adapters_equal_peft_on_the_rounded_weights(setup, tmp_path):
+    """A plan with lora.dtype bfloat16 holds A and B in bfloat16 and computes in float32: each
+    adapter's greedy output equals transformers + peft's with its LoRA weights rounded to
+    bfloat16 (and the mixed batch gives every row what it gets alone)."""
+    _, base_dir, dirs, _ = setup
+    plan = _build(tmp_path, base_dir, "bfloat16")
+    with Engine.from_plan(load_plan(plan)) as eng:
+        assert {t.dtype for t in (*eng.adapters.buffers.a, *eng.adapters.buffers.b)} == \
+            {torch.bfloat16}
+        for name, d in dirs.items():
+            eng.adapters.load(name, d)
+        keys = [(a, i) for i in range(len(PROMPTS)) for a in ADAPTERS]
+        got = eng.generate([PROMPTS[i] for _, i in keys], [_greedy(a) for a, _ in keys])
+    for i, name in enumerate(ADAPTERS):
+        model = _peft_model(base_dir, name, seed=i + 1)      # the setup's adapter, afresh
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.copy_(p.to(torch.bfloat16).float())
+        want = [_reference(model, p) for p in PROMPTS]
+        assert [list(r.token_ids) for (a, _), r in zip(keys, got) if a == name] == want, name

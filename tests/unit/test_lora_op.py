@@ -85,6 +85,21 @@ def test_int32_slots_and_bf16_activations(cpu_kernel):
     assert out.dtype == torch.bfloat16 and (out.double() - want).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("fn", ["kernel", "reference"])
+def test_bfloat16_adapters_are_widened_exactly(cpu_kernel, fn):
+    # bfloat16 A and B give float32's result on the same (rounded) values, on every row shape
+    op = torch.ops.kiln.lora_apply if fn == "kernel" else ops.lora_apply_reference
+    for shape in (dict(), dict(T=37, S=4, R=8, K=67, N=13, ranks=(8, 1, 3, 8))):
+        y, x, slots, a, b, scales = case(**shape)
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        out = op(y, x, slots, a16, b16, scales)
+        assert out.dtype == torch.float32
+        _close(out, naive(y, x, slots, a16.float(), b16.float(), scales))
+        assert (out.double() - naive(y, x, slots, a, b, scales)).abs().max() > 1e-4
+    with pytest.raises((RuntimeError, ValueError), match="both float32 or both bfloat16"):
+        op(y, x, slots, a16, b, scales)
+
+
 def test_cpu_kernel_is_batch_invariant(cpu_kernel):
     y, x, slots, a, b, scales = case(T=30)
     full = torch.ops.kiln.lora_apply(y, x, slots, a, b, scales)
@@ -116,6 +131,11 @@ for shape in (dict(), dict(T=37, S=4, R=8, K=67, N=13, ranks=(8, 1, 3, 8))):
     args = case(**shape)
     err = (torch.ops.kiln.lora_apply(*args).double() - naive(*args)).abs().max().item()
     assert err < 1e-4, err
+    y, x, slots, a, b, scales = args
+    a, b = a.bfloat16(), b.bfloat16()
+    err = (torch.ops.kiln.lora_apply(y, x, slots, a, b, scales).double()
+           - naive(y, x, slots, a.float(), b.float(), scales)).abs().max().item()
+    assert err < 1e-4, ("bfloat16 adapters", err)
 """
 
 

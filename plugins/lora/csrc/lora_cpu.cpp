@@ -1,7 +1,7 @@
 // CPU kernel of kiln::lora_apply (schema and reference: plugins/lora/ops.py).
 //
 //   y [T, N], x [T, K]: float32 | bfloat16; slots [T] int64 | int32 (-1: no adapter)
-//   lora_a [S, R, K], lora_b [S, N, R], scales [S]: float32
+//   lora_a [S, R, K], lora_b [S, N, R]: float32 | bfloat16 (both the same); scales [S]: float32
 //   out[t] = y[t] + scales[s] * lora_b[s] @ (lora_a[s] @ x[t]),  s = slots[t] >= 0
 //
 // The tokens are grouped by slot (counting sort, tokens in order); each active slot is one
@@ -37,23 +37,42 @@ const char kiln_lora_kernel_path[] = "KILN_KERNEL_PATH:" KILN_LORA_VEC;
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
+using bf16 = at::BFloat16;
 
-// w . a over n floats: two Vec accumulators over alternate Vec steps, summed, then the tail.
+// One Vec of weights from float32 or bfloat16 storage (a bfloat16 is the top half of the
+// float32 it widens to: the 16-bit values zero-extended and shifted up, exact).
+inline Vec wload(const float* p) { return Vec::loadu(p); }
+inline Vec wload(const bf16* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return Vec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return Vec(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  float f[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) f[i] = static_cast<float>(p[i]);
+  return Vec::loadu(f);
+#endif
+}
+
+// w . a over n values: two Vec accumulators over alternate Vec steps, summed, then the tail.
 // One order for every call, so the result depends on w and a alone.
-inline float dot(const float* w, const float* a, int64_t n) {
+template <typename W>
+inline float dot(const W* w, const float* a, int64_t n) {
   constexpr int64_t L = Vec::size();
   Vec acc0(0.0f), acc1(0.0f);
   int64_t i = 0;
   for (; i + 2 * L <= n; i += 2 * L) {
-    acc0 = at::vec::fmadd(Vec::loadu(w + i), Vec::loadu(a + i), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(w + i + L), Vec::loadu(a + i + L), acc1);
+    acc0 = at::vec::fmadd(wload(w + i), Vec::loadu(a + i), acc0);
+    acc1 = at::vec::fmadd(wload(w + i + L), Vec::loadu(a + i + L), acc1);
   }
   if (i + L <= n) {
-    acc0 = at::vec::fmadd(Vec::loadu(w + i), Vec::loadu(a + i), acc0);
+    acc0 = at::vec::fmadd(wload(w + i), Vec::loadu(a + i), acc0);
     i += L;
   }
   float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; }, acc0 + acc1);
-  for (; i < n; ++i) s += w[i] * a[i];
+  for (; i < n; ++i) s += static_cast<float>(w[i]) * a[i];
   return s;
 }
 
@@ -61,33 +80,35 @@ inline float dot(const float* w, const float* a, int64_t n) {
 // dot()'s order (two accumulators over alternate Vec steps, then the tail), so the result is
 // dot()'s, bit for bit, whichever tokens share the call.
 constexpr int kTok = 4;
-inline void dots(const float* w, const float* const* a, int64_t n, float* out) {
+template <typename W>
+inline void dots(const W* w, const float* const* a, int64_t n, float* out) {
   constexpr int64_t L = Vec::size();
   Vec acc0[kTok], acc1[kTok];
   for (int k = 0; k < kTok; ++k) acc0[k] = acc1[k] = Vec(0.0f);
   int64_t i = 0;
   for (; i + 2 * L <= n; i += 2 * L) {
-    const Vec w0 = Vec::loadu(w + i), w1 = Vec::loadu(w + i + L);
+    const Vec w0 = wload(w + i), w1 = wload(w + i + L);
     for (int k = 0; k < kTok; ++k) {
       acc0[k] = at::vec::fmadd(w0, Vec::loadu(a[k] + i), acc0[k]);
       acc1[k] = at::vec::fmadd(w1, Vec::loadu(a[k] + i + L), acc1[k]);
     }
   }
   if (i + L <= n) {
-    const Vec w0 = Vec::loadu(w + i);
+    const Vec w0 = wload(w + i);
     for (int k = 0; k < kTok; ++k) acc0[k] = at::vec::fmadd(w0, Vec::loadu(a[k] + i), acc0[k]);
     i += L;
   }
   for (int k = 0; k < kTok; ++k) {
     float s = at::vec::vec_reduce_all<float>([](Vec& p, Vec& q) { return p + q; },
                                              acc0[k] + acc1[k]);
-    for (int64_t j = i; j < n; ++j) s += w[j] * a[k][j];
+    for (int64_t j = i; j < n; ++j) s += static_cast<float>(w[j]) * a[k][j];
     out[k] = s;
   }
 }
 
 // h[t, j] = A[j] . x[t] for the slot's tokens: each row of A is read once for kTok of them.
-inline void shrink(const float* A, int64_t R, int64_t K, const float* x, const int64_t* tokens,
+template <typename W>
+inline void shrink(const W* A, int64_t R, int64_t K, const float* x, const int64_t* tokens,
                    int64_t n_tok, float* h) {
   int64_t p = 0;
   for (; p + kTok <= n_tok; p += kTok) {
@@ -137,7 +158,8 @@ constexpr int64_t kBlock = 0;
 // vector width, kBlock outputs at a time: each B row folded into one Vec per token, the kBlock
 // Vecs reduced together (one store instead of kBlock horizontal sums). Every (t, n) is computed
 // by the same sequence whatever the other tokens.
-inline void expand(const float* B, int64_t R, int64_t N, float scale, const float* h,
+template <typename W>
+inline void expand(const W* B, int64_t R, int64_t N, float scale, const float* h,
                    const int64_t* tokens, int64_t n_tok, const float* y, float* out) {
   constexpr int64_t L = Vec::size();
   int64_t n0 = 0;
@@ -145,20 +167,20 @@ inline void expand(const float* B, int64_t R, int64_t N, float scale, const floa
   if (R % L == 0) {
     const Vec vs(scale);
     for (; n0 + kBlock <= N; n0 += kBlock) {
-      const float* Bn = B + n0 * R;
+      const W* Bn = B + n0 * R;
       // The next block's rows of B (kBlock * R floats) asked for while this block's are summed:
       // a step reads each adapter's B once, from memory, and the first token of a block
       // otherwise waits on its loads (10% of SmolLM2's 32-token LoRA time)
       if (n0 + 2 * kBlock <= N)
-        for (int64_t c = 0; c < kBlock * R; c += 64 / sizeof(float))
+        for (int64_t c = 0; c < kBlock * R; c += 64 / sizeof(W))
           _mm_prefetch(reinterpret_cast<const char*>(Bn + kBlock * R + c), _MM_HINT_T0);
       for (int64_t p = 0; p < n_tok; ++p) {
         const float* ht = h + tokens[p] * R;
         Vec acc[kBlock];
         for (int64_t k = 0; k < kBlock; ++k) {
-          Vec a = Vec::loadu(Bn + k * R) * Vec::loadu(ht);
+          Vec a = wload(Bn + k * R) * Vec::loadu(ht);
           for (int64_t j = L; j < R; j += L)
-            a = at::vec::fmadd(Vec::loadu(Bn + k * R + j), Vec::loadu(ht + j), a);
+            a = at::vec::fmadd(wload(Bn + k * R + j), Vec::loadu(ht + j), a);
           acc[k] = a;
         }
         const int64_t o = tokens[p] * N + n0;
@@ -219,8 +241,9 @@ void check_args(const at::Tensor& y, const at::Tensor& x, const at::Tensor& slot
   TORCH_CHECK(scales.dim() == 1 && scales.size(0) == S, op, ": scales [S] expected");
   TORCH_CHECK(slots.scalar_type() == at::kLong || slots.scalar_type() == at::kInt, op,
               ": slots int64 or int32");
-  TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, op,
-              ": float32 lora_a and lora_b");
+  TORCH_CHECK((a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16) &&
+                  b.scalar_type() == a.scalar_type(),
+              op, ": lora_a and lora_b both float32 or both bfloat16");
 }
 
 at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor& slots,
@@ -249,7 +272,7 @@ at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor A = lora_a.contiguous(), B = lora_b.contiguous();
   const at::Tensor sc = scales.to(at::kFloat).contiguous();
-  const float *xp = xf.data_ptr<float>(), *ap = A.data_ptr<float>(), *bp = B.data_ptr<float>();
+  const float* xp = xf.data_ptr<float>();
   const float* scp = sc.data_ptr<float>();
   std::vector<float> h(T * R, 0.0f);                 // h[t] = A[slot t] @ x[t]
   // One item per active slot: shrink then expand its tokens, so a call opens one parallel
@@ -259,15 +282,22 @@ at::Tensor lora_apply(const at::Tensor& y, const at::Tensor& x, const at::Tensor
   // their share of the memory bandwidth, halves even a small model's decode call (SmolLM2's
   // 210 calls of a 32-token step: 24 ms on one thread, 13 ms on two).
   const int64_t nA = static_cast<int64_t>(g.active.size());
-  kiln::parallel_chunks(nA, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = g.active[i];
-      const int64_t* tk = g.tokens.data() + g.start[s];
-      const int64_t n_tok = g.start[s + 1] - g.start[s];
-      shrink(ap + s * R * K, R, K, xp, tk, n_tok, h.data());
-      expand(bp + s * N * R, R, N, scp[s], h.data(), tk, n_tok, yp, op);
-    }
-  });
+  const auto passes = [&](const auto* ap, const auto* bp) {
+    kiln::parallel_chunks(nA, 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        const int64_t s = g.active[i];
+        const int64_t* tk = g.tokens.data() + g.start[s];
+        const int64_t n_tok = g.start[s + 1] - g.start[s];
+        shrink(ap + s * R * K, R, K, xp, tk, n_tok, h.data());
+        expand(bp + s * N * R, R, N, scp[s], h.data(), tk, n_tok, yp, op);
+      }
+    });
+  };
+  // bfloat16 adapters are half the bytes to read, which bounds the op; widened exactly
+  if (A.scalar_type() == at::kBFloat16)
+    passes(A.data_ptr<at::BFloat16>(), B.data_ptr<at::BFloat16>());
+  else
+    passes(A.data_ptr<float>(), B.data_ptr<float>());
   return result();
 }
 

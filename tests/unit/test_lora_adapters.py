@@ -228,12 +228,16 @@ def test_lora_spec_section_is_checked_and_the_example_spec_parses():
 
     spec = load_spec(ROOT / "model_specs" / "smollm2-135m-lora-cpu.yaml")
     assert spec.lora.max_adapters_per_batch == 8 and len(spec.lora.target_modules) == 7
+    assert spec.lora.dtype == "bfloat16" and parse_spec(
+        (ROOT / "model_specs" / "tiny-random.yaml").read_text() + "lora: {max_rank: 8}\n"
+    ).lora.dtype == "float32"
     base = (ROOT / "model_specs" / "tiny-random.yaml").read_text()
     ok = parse_spec(base + "lora: {max_rank: 8, target_modules: [v_proj, q_proj]}\n")
     assert ok.lora.target_modules == ("q_proj", "v_proj")       # the step's one order
     assert "lora" in ok.canonical() and "lora" not in parse_spec(base).canonical()
     for bad, match in [("{max_rank: 8, target_modules: [qkv]}", "'qkv' is not a LoRA target"),
                        ("{max_rank: 0}", "max_rank"),
+                       ("{max_rank: 8, dtype: float16}", "dtype"),
                        ("{max_rank: 8, max_adapters_per_batch: 4, max_cpu_adapters: 2}",
                         "max_cpu_adapters \\(2\\) must be at least")]:
         with pytest.raises(SpecError, match=match):

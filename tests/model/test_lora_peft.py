@@ -17,7 +17,7 @@ from kiln.runtime.lora_peft import AdapterError
 from kiln.runtime.plan import load_plan
 from kiln.runtime.sampling import SamplingParams
 from tests.conftest import TEST_PLANS
-from tests.lora_helpers import randomize_peft
+from tests.lora_helpers import randomize_peft, write_peft
 from tests.model.test_sources import _hf_model, _write_tokenizer
 
 pytestmark = pytest.mark.model
@@ -59,15 +59,17 @@ def setup(tmp_path_factory):
     return _build(root, base_dir, "float32"), base_dir, dirs, refs
 
 
-def _build(root, base_dir, dtype: str):
-    """The tiny model's fp32 plan with a lora section whose A and B are `dtype`."""
+def _build(root, base_dir, dtype: str, slots: int = 2):
+    """The tiny model's fp32 plan with a lora section of `slots` adapters a step whose A and
+    B are `dtype`."""
     name = "tiny-lora-peft" + ("" if dtype == "float32" else f"-{dtype}")
     spec = {"name": name, "model": {"source": str(base_dir)},
             "target": {"device": "cpu"}, "precision": {"weights": "fp32"},
-            "limits": {"max_batch_size": 8, "max_seq_len": 128, "max_num_tokens": 64},
+            "limits": {"max_batch_size": max(8, 2 * slots), "max_seq_len": 128,
+                       "max_num_tokens": 64},
             "kv_cache": {"tokens_per_block": 16, "memory": "8MiB"},
-            "lora": {"max_rank": 16, "target_modules": ALL, "max_adapters_per_batch": 2,
-                     "max_cpu_adapters": 4, "dtype": dtype}}
+            "lora": {"max_rank": 16, "target_modules": ALL, "max_adapters_per_batch": slots,
+                     "max_cpu_adapters": max(4, slots), "dtype": dtype}}
     (root / f"{name}.yaml").write_text(yaml.safe_dump(spec))
     return build(root / f"{name}.yaml", TEST_PLANS / name, progress=Progress(enabled=False)).path
 
@@ -130,13 +132,18 @@ def test_bad_adapters_are_refused_and_the_engine_keeps_serving(setup, engine, tm
     assert len(res.token_ids) == NEW_TOKENS
 
 
-def test_bfloat16_adapters_equal_peft_on_the_rounded_weights(setup, tmp_path):
+@pytest.fixture(scope="module")
+def bf16_plan(setup, tmp_path_factory):
+    """The same model's plan with 8 bfloat16 adapter slots a step."""
+    return _build(tmp_path_factory.mktemp("lora-bf16"), setup[1], "bfloat16", slots=8)
+
+
+def test_bfloat16_adapters_equal_peft_on_the_rounded_weights(setup, bf16_plan):
     """A plan with lora.dtype bfloat16 holds A and B in bfloat16 and computes in float32: each
     adapter's greedy output equals transformers + peft's with its LoRA weights rounded to
-    bfloat16 (and the mixed batch gives every row what it gets alone)."""
+    bfloat16 (in a batch that mixes them)."""
     _, base_dir, dirs, _ = setup
-    plan = _build(tmp_path, base_dir, "bfloat16")
-    with Engine.from_plan(load_plan(plan)) as eng:
+    with Engine.from_plan(load_plan(bf16_plan)) as eng:
         assert {t.dtype for t in (*eng.adapters.buffers.a, *eng.adapters.buffers.b)} == \
             {torch.bfloat16}
         for name, d in dirs.items():
@@ -151,3 +158,33 @@ def test_bfloat16_adapters_equal_peft_on_the_rounded_weights(setup, tmp_path):
                     p.copy_(p.to(torch.bfloat16).float())
         want = [_reference(model, p) for p in PROMPTS]
         assert [list(r.token_ids) for (a, _), r in zip(keys, got) if a == name] == want, name
+
+
+def test_a_batch_of_eight_adapters_and_base_rows_gives_each_row_what_it_gets_alone(
+        setup, bf16_plan, tmp_path):
+    """Eight adapters in one step (the plan's slots; ranks 4-16, different targets) beside base
+    rows: every row gets exactly the tokens it gets alone."""
+    plan = load_plan(bf16_plan)
+    dirs = dict(setup[2])
+    for i in range(8 - len(dirs)):
+        mods = ALL[i % 3::2] or ALL
+        write_peft(tmp_path / f"extra{i}", plan.manifest.lora, plan.shape.num_layers,
+                   r=(4, 8, 16)[i % 3], modules=mods, seed=10 + i, alpha=8.0)
+        dirs[f"extra{i}"] = tmp_path / f"extra{i}"
+    names = [None, *dirs]
+    with Engine.from_plan(plan) as eng:
+        for name, d in dirs.items():
+            eng.adapters.load(name, d)
+        keys = [(a, i) for i in range(2) for a in names]
+        alone = {k: list(eng.generate([PROMPTS[k[1]]], _greedy(k[0]))[0].token_ids)
+                 for k in keys}
+        per_step, token_slots = [], eng.adapters.token_slots
+
+        def counted(adapters, counts):        # the adapters of each step
+            per_step.append(len({a for a in adapters if a is not None}))
+            return token_slots(adapters, counts)
+        eng.adapters.token_slots = counted
+        got = eng.generate([PROMPTS[i] for _, i in keys], [_greedy(a) for a, _ in keys])
+    assert max(per_step) == 8
+    assert {k: list(r.token_ids) for k, r in zip(keys, got)} == alone
+    assert len({tuple(v) for k, v in alone.items() if k[1] == 0}) >= 6   # they differ

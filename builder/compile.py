@@ -300,8 +300,9 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     # value for E4M3) — SmolLM2 int8: 0.06. A broken scale or layout is off by whole units.
     # W8A8 quantizes every linear's input at run time: there a compiler's ulp flips
     # activation codes (1/127 of a row's max) in every layer, and the flips compound over the
-    # layers (SmolLM2 with SmoothQuant: 2.0 logits of a scale of 32). Its bound is
-    # relative: a tenth of the logits' scale; a broken kernel is off by the whole scale.
+    # layers (SmolLM2 with SmoothQuant: 2.0 logits of a scale of 32; a random-weight
+    # Llama-3.1-8B-shaped W4A8 model, 32 layers: 0.63 of 6.0). Its bound is relative: a
+    # fifth of the logits' scale; a broken kernel is off by the whole scale.
     # int4 weight-only in the interleaved layout (kiln::linear_int4_rows16: CPU, group 32)
     # holds each group of 32 of x as two int8 digits, so there an ulp can move an activation
     # by the last digit's unit, 1/16,256 of its group's max: SmolLM2 with a bf16 KV cache
@@ -311,7 +312,7 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     # there flips a rounding, 1/256 of the activation, in every layer (SmolLM2: 0.13).
     # The accuracy gate then measures the compiled plan against the float model.
     if spec.precision.activations == "int8":
-        tol = 0.1 * max(scale, 1.0)
+        tol = 0.2 * max(scale, 1.0)
     elif _runs_rows16(model) or _rounds_bf16(model, engine):
         tol = 0.25
     elif kv_dtype in kv_format.QUANTIZED:

@@ -379,8 +379,9 @@ def _swap_linears(model: nn.Module, all_q: dict[str, nn.Linear], scheme: QuantSc
             done.lm_head = f"{qemb.scheme} (the tied embedding's table)"
         else:
             layer = scheme.layer
+            w = lin.weight.detach().float()
             if scheme.rows16 and not formats.fits_int4_a8(
-                    lin.weight.detach().float() / (1 if scale is None else scale[None, :])):
+                    w if scale is None else w / scale[None, :]):
                 layer = "int4"
                 done.layout_kept.append(name)
             done.rows16_used = done.rows16_used or layer == "int4_a8"

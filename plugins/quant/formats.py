@@ -167,8 +167,9 @@ def check_int4_a8_shape(n: int, k: int) -> None:
 
 def fits_int4_a8(w: torch.Tensor) -> bool:
     """Whether an [N, K] weight can take this format (shape, and float16 scales and minimums)."""
+    w = w.detach()          # max and -min: no |w| copy of the whole weight
     return (_int4_a8_shape_ok(*w.shape)
-            and w.detach().abs().max().item() <= torch.finfo(torch.float16).max)
+            and max(w.max().item(), -w.min().item()) <= torch.finfo(torch.float16).max)
 
 
 def pack_int4_a8(q: torch.Tensor) -> torch.Tensor:
@@ -240,8 +241,32 @@ def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- per scheme
 
+QUANTIZE_ROWS = 8192     # rows quantized at a time (a multiple of INT4_A8_ROWS)
+
+
 def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
-    """Quantize one [N, K] weight with `scheme` (int8 | int4 | fp8 | bf16)."""
+    """Quantize one [N, K] weight with `scheme` (int8 | int4 | fp8 | bf16 | int4_a8 | fp32).
+
+    A weight of more than QUANTIZE_ROWS rows is quantized that many rows at a time: every
+    format's groups and scales lie within a row (int4_a8's interleaved blocks within 16
+    rows), so the result is the same, without whole-weight float temporaries (an 8B model's
+    untied lm_head, 128K x 4096: 2 GB each, several at once)."""
+    n = int(w.shape[0])
+    if n <= QUANTIZE_ROWS or scheme in ("fp32", "bf16"):
+        return _quantize(w, scheme, group_size)
+    if scheme == "int4_a8":
+        check_int4_a8_shape(n, int(w.shape[1]))
+    parts = [_quantize(w[i:i + QUANTIZE_ROWS], scheme, group_size)
+             for i in range(0, n, QUANTIZE_ROWS)]
+
+    def cat(field: str):
+        ts = [getattr(p, field) for p in parts]
+        return None if ts[0] is None else torch.cat(ts)
+    return QuantizedWeight(scheme, cat("qweight"), cat("scales"), cat("zeros"),
+                           parts[0].group_size, (n, int(w.shape[1])))
+
+
+def _quantize(w: torch.Tensor, scheme: str, group_size: int | None) -> QuantizedWeight:
     shape = (int(w.shape[0]), int(w.shape[1]))
     if scheme == "fp32":
         return QuantizedWeight("fp32", w.detach().float().contiguous(), None, None, None, shape)

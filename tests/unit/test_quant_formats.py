@@ -263,3 +263,19 @@ def test_awq_search_never_worse_than_rtn():
     awq = formats.dequantize(formats.quantize(w * (1 / s)[None], "int4", 32)) * s[None]
     err = lambda wq: (x @ (w - wq).T).pow(2).mean().item()
     assert err(awq) <= err(rtn) * 1.0001 and 0.0 <= alpha <= 1.0
+
+
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 128), ("int4", 32),
+                                               ("fp8", None), ("int4_a8", None)])
+def test_a_tall_weight_is_quantized_by_rows_to_the_same_result(scheme, group_size):
+    # more rows than QUANTIZE_ROWS, and a last chunk of 48: the same bytes as one pass
+    w = torch.randn(2 * formats.QUANTIZE_ROWS + 48, 256,
+                    generator=torch.Generator().manual_seed(0)) * 0.05
+    by_rows, whole = formats.quantize(w, scheme, group_size), formats._quantize(w, scheme,
+                                                                                 group_size)
+    assert (by_rows.shape, by_rows.group_size) == (whole.shape, whole.group_size)
+    for field in ("qweight", "scales", "zeros"):
+        a, b = getattr(by_rows, field), getattr(whole, field)
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"\[N, K\] = \[16392, 256\]"):
+        formats.quantize(torch.zeros(16392, 256), "int4_a8")

@@ -5,6 +5,7 @@ costs (not a test).
     python -m bench.scale load --shape 1b --how streamed|whole [--spec SPEC]
     python -m bench.scale reference --shape 1b --how layerwise|whole [--tokens N]
     python -m bench.scale plan-load --plan DIR
+    python -m bench.scale decode --plan DIR [--threads 2]
 
 `make` writes a Hugging Face checkpoint directory (config.json, tokenizer.json, bf16
 safetensors in two shards with model.safetensors.index.json, as real checkpoints are sharded)
@@ -24,6 +25,10 @@ whole fp32 model loaded (load_model + evaluate), and prints seconds, ppl and pea
 `plan-load` loads a built plan as a server does (load_plan + load_step_fn) and prints the
 seconds and the process's memory after: RssAnon (private), RssFile (mapped files, shared
 through the page cache) and the peak.
+
+`decode` runs the plan's engine in this process: decode tokens/s at 1 and 32 streams, the
+memory while serving, and the batch-1 step against its bandwidth floor (plan bytes / the
+host's read bandwidth).
 """
 from __future__ import annotations
 
@@ -186,10 +191,55 @@ def plan_load(plan_dir: str) -> dict:
                 seconds=seconds, before=before, after=after)
 
 
+def decode(plan_dir: str, threads: int) -> dict:
+    """The plan's engine in this process: decode tokens/s at 1 and 32 streams (16-token random
+    prompts, greedy, fixed lengths), RSS while serving, and the host's read bandwidth (a sum
+    over 2 GiB on `threads` threads), against which the plan's bytes give the step's floor."""
+    import torch
+
+    from kiln.builder.memory import _proc_kib, gib
+    from kiln.runtime.engine import Engine
+    from kiln.runtime.plan import load_plan
+    from kiln.runtime.sampling import SamplingParams
+
+    torch.set_num_threads(threads)
+    plan = load_plan(plan_dir)
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"plan": plan_dir, "threads": threads,
+                 "plan_bytes": sum(f.size for f in plan.manifest.files.values())}
+
+    def greedy(n: int) -> SamplingParams:
+        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    with Engine.from_plan(plan, num_threads=threads) as eng:
+        eng.generate([[1, 2, 3, 4]], greedy(4))
+        for streams, n in ((1, 48), (32, 24)):
+            prompts = [torch.randint(100, plan.shape.vocab_size, (16,), generator=g).tolist()
+                       for _ in range(streams)]
+            t0 = time.perf_counter()
+            eng.generate(prompts, greedy(1))            # prefill and first token alone
+            t1 = time.perf_counter()
+            eng.generate(prompts, greedy(n))
+            t2 = time.perf_counter()
+            # the decode rate: the tokens after the first over the time the first did not take
+            out[f"decode_tok_s_{streams}"] = round(streams * (n - 1) / ((t2 - t1) - (t1 - t0)), 2)
+        out["rss_serving"] = {k: gib(_proc_kib("/proc/self/status", k + ":") or 0)
+                              for k in ("RssAnon", "RssFile", "VmHWM")}
+    x = torch.ones(512 << 20)
+    x.sum()
+    t = time.perf_counter()
+    for _ in range(5):
+        x.sum()
+    bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
+    out["read_GB_s"] = round(bw / 1e9, 1)
+    out["batch1_step_over_floor"] = round(out["plan_bytes"] / bw * out["decode_tok_s_1"], 2)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["make", "load", "reference", "plan-load"])
-    ap.add_argument("--plan", help="plan-load: the plan directory")
+    ap.add_argument("command", choices=["make", "load", "reference", "plan-load", "decode"])
+    ap.add_argument("--plan", help="plan-load, decode: the plan directory")
+    ap.add_argument("--threads", type=int, default=2, help="decode: compute threads")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--seed", type=int, default=0)
@@ -209,6 +259,8 @@ def main(argv=None) -> int:
         print(json.dumps(load(a.shape, a.dir, a.how or "streamed", a.spec)))
     elif a.command == "reference":
         print(json.dumps(reference(a.shape, a.dir, a.how or "layerwise", a.tokens)))
+    elif a.command == "decode":
+        print(json.dumps(decode(a.plan, a.threads)))
     else:
         print(json.dumps(plan_load(a.plan)))
     return 0

@@ -177,6 +177,9 @@ def kiln_round(plan: str, threads: int, ntg: int, requests32: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", default="plans/smollm2-135m-throughput-cpu")
+    ap.add_argument("--gguf", default=None, help="llama.cpp's model (default: SmolLM2's Q4_1 "
+                    "GGUF, the plan's own source); for a plan built from safetensors, its "
+                    "weights converted with convert_hf_to_gguf.py and llama-quantize")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ntg", type=int, default=128)
@@ -186,7 +189,7 @@ def main() -> None:
                     help="llama-batched-bench from another build (default: --llamacpp-bin's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    gguf = gguf_path()
+    gguf = Path(args.gguf) if args.gguf else gguf_path()
     bin_dir = ensure_llamacpp(Path(args.llamacpp_bin))
     rounds = {"llama.cpp": [], "kiln": []}
     for i in range(args.rounds):

@@ -6,6 +6,7 @@ costs (not a test).
     python -m bench.scale reference --shape 1b --how layerwise|whole [--tokens N]
     python -m bench.scale plan-load --plan DIR
     python -m bench.scale decode --plan DIR [--threads 2]
+    python -m bench.scale vs-llamacpp --plan DIR --gguf Q4_1.gguf [--batched-bin DIR]
 
 `make` writes a Hugging Face checkpoint directory (config.json, tokenizer.json, bf16
 safetensors in two shards with model.safetensors.index.json, as real checkpoints are sharded)
@@ -28,7 +29,9 @@ through the page cache) and the peak.
 
 `decode` runs the plan's engine in this process: decode tokens/s at 1 and 32 streams, the
 memory while serving, and the batch-1 step against its bandwidth floor (plan bytes / the
-host's read bandwidth).
+host's read bandwidth). `vs-llamacpp` alternates it with llama.cpp's llama-bench and
+llama-batched-bench on the same weights (the checkpoint converted with llama.cpp's
+convert_hf_to_gguf.py and quantized with its llama-quantize) and prints the ratios.
 """
 from __future__ import annotations
 
@@ -235,9 +238,47 @@ def decode(plan_dir: str, threads: int) -> dict:
     return out
 
 
+def vs_llamacpp(plan_dir: str, gguf: str, bin_dir: str, batched_bin: str | None,
+                threads: int, rounds: int, ntg: int) -> dict:
+    """Alternating rounds, one system at a time: llama.cpp's llama-bench (tg, one stream) and
+    llama-batched-bench (32 sequences) on `gguf`, then `decode` on the plan in a process of its
+    own; the ratios of the medians."""
+    import statistics
+    import subprocess
+
+    from bench.vs_llamacpp import llamacpp_round
+
+    runs: dict = {"llama.cpp": [], "kiln": []}
+    for _ in range(rounds):
+        runs["llama.cpp"].append(llamacpp_round(Path(bin_dir), Path(gguf), threads, ntg,
+                                                Path(batched_bin) if batched_bin else None))
+        out = subprocess.run([sys.executable, "-m", "bench.scale", "decode", "--plan", plan_dir,
+                              "--threads", str(threads)], capture_output=True, text=True,
+                             check=True).stdout
+        runs["kiln"].append(json.loads(out.strip().splitlines()[-1]))
+        print(json.dumps({"llama.cpp": runs["llama.cpp"][-1], "kiln": runs["kiln"][-1]}),
+              flush=True)
+
+    def med(side: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[side])
+    k1, k32 = med("kiln", "decode_tok_s_1"), med("kiln", "decode_tok_s_32")
+    l1, l32 = med("llama.cpp", "tg1_tok_s"), med("llama.cpp", "tg32_tok_s")
+    return {"plan": plan_dir, "gguf": gguf, "threads": threads, "rounds": runs,
+            "kiln_tok_s": {"1": k1, "32": k32}, "llamacpp_tok_s": {"1": l1, "32": l32},
+            "ratio": {"1": round(k1 / l1, 2), "32": round(k32 / l32, 2)}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["make", "load", "reference", "plan-load", "decode"])
+    ap.add_argument("command", choices=["make", "load", "reference", "plan-load", "decode",
+                                        "vs-llamacpp"])
+    ap.add_argument("--gguf", help="vs-llamacpp: llama.cpp's model (the same weights)")
+    ap.add_argument("--bin", default="/tmp/llamacpp/llama-build/bin",
+                    help="vs-llamacpp: llama.cpp's tools (../shared/peers/llamacpp-tools.sh)")
+    ap.add_argument("--batched-bin", default=None, help="vs-llamacpp: llama-batched-bench's "
+                    "directory where it differs (a build without AMX: bench/vs_llamacpp.py)")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ntg", type=int, default=32, help="vs-llamacpp: llama.cpp's tokens")
     ap.add_argument("--plan", help="plan-load, decode: the plan directory")
     ap.add_argument("--threads", type=int, default=2, help="decode: compute threads")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
@@ -259,6 +300,9 @@ def main(argv=None) -> int:
         print(json.dumps(load(a.shape, a.dir, a.how or "streamed", a.spec)))
     elif a.command == "reference":
         print(json.dumps(reference(a.shape, a.dir, a.how or "layerwise", a.tokens)))
+    elif a.command == "vs-llamacpp":
+        print(json.dumps(vs_llamacpp(a.plan, a.gguf, a.bin, a.batched_bin, a.threads, a.rounds,
+                                     a.ntg)))
     elif a.command == "decode":
         print(json.dumps(decode(a.plan, a.threads)))
     else:

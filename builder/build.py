@@ -149,6 +149,10 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_spec_against_model(spec, ckpt.config)
     ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
+    if (force or not (out / MANIFEST_FILE).is_file()) and \
+            (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+        raise BuildError(f"{spec.name}: {too_big}")     # nothing to be up to date with: the
+        #                                                 weights are not even hashed
     draft = check_draft(spec, spec_path, ckpt, target, out, draft_plan)
     fp, fp_inputs = plan_fingerprint(spec, ckpt, target, draft)
     if not force and is_up_to_date(out, fp):

@@ -198,7 +198,7 @@ def build_estimate(spec, ckpt) -> MemoryEstimate:
 
         # the layerwise reference holds one layer's fp32 weights (the embedding's group is
         # the largest: below the streamed load's plan + largest tensor)
-        whole = "" if (Gate(spec, ckpt).reference_cached() or supported(ckpt.config)) \
+        whole = "" if (supported(ckpt.config) or Gate(spec, ckpt).reference_cached()) \
             else "reference"
     return estimate(ckpt.config, p.weights, keep, whole)
 

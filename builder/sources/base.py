@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -20,7 +20,10 @@ class Checkpoint:
     generation: dict             # bos_token_id, eos_token_ids [..], chat_template (str|None),
     #                              pad_token_id, add_bos_token (True when the tokenizer.json's
     #                              post-processor puts bos first on encode; never add it again)
-    weights_digest: str          # sha256 hex of the source (see each source for what it covers)
+    # sha256 hex of the source (see each source for what it covers), or the function that
+    # computes it: hashing gigabytes waits until something asks (a build that is refused for
+    # its memory never reads the weights)
+    _weights_digest: Union[str, Callable[[], str]]
     source_desc: str             # "gguf /path (Q4_1)", "hf dir /path", "random seed 0"
     # dtype -> (our name, tensor) pairs, one at a time; set by the source.
     _stream: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
@@ -28,6 +31,12 @@ class Checkpoint:
     # source can only stream everything (random weights are drawn in order)
     _select: Optional[Callable[[torch.dtype, set], Iterator[tuple[str, torch.Tensor]]]] = \
         field(default=None, repr=False)
+
+    @property
+    def weights_digest(self) -> str:
+        if callable(self._weights_digest):
+            self._weights_digest = self._weights_digest()
+        return self._weights_digest
 
     def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
         """Our parameter names and tensors (already fused/unpermuted), streamed one at a time."""

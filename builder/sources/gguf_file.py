@@ -182,5 +182,5 @@ def open_gguf(path: Path) -> Checkpoint:
                                 lambda n: _dequantize(tensors[n], path), config, path, dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
-                      weights_digest=file_sha256(path), source_desc=f"gguf {path} ({qname})",
-                      _stream=stream, _select=select)
+                      _weights_digest=lambda: file_sha256(path),
+                      source_desc=f"gguf {path} ({qname})", _stream=stream, _select=select)

@@ -188,5 +188,5 @@ def open_hf_dir(root: Path) -> Checkpoint:
                                 dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
-                      weights_digest=files_sha256(root, read_files),
+                      _weights_digest=lambda: files_sha256(root, read_files),
                       source_desc=f"hf dir {root}", _stream=stream, _select=select)

@@ -64,7 +64,7 @@ def open_random(arch, seed: int, tokenizer: Optional[str] = None) -> Checkpoint:
             yield name, t.to(dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
-                      weights_digest=hashlib.sha256(key.encode()).hexdigest(),
+                      _weights_digest=hashlib.sha256(key.encode()).hexdigest(),
                       source_desc=f"random seed {seed}", _stream=stream)
 
 

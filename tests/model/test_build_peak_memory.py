@@ -90,3 +90,30 @@ def test_an_uncached_reference_does_not_count_the_fp32_model(tmp_path, monkeypat
     calibrated = parse_spec(TINY_SPEC + "precision: {weights: int4}\n"
                             "accuracy: {calibration_text: pydoc}\n")
     assert build_estimate(calibrated, ckpt).whole_fp32 == "quantize"
+
+
+def test_a_refused_build_does_not_hash_the_weights(tmp_path, monkeypatch):
+    """The refusal comes before anything reads the weights: the checkpoint's digest (which
+    reads every byte: 55 s for 16 GB) is computed only when the build goes on."""
+    import yaml
+
+    from kiln.builder.build import BuildError
+    from kiln.builder.sources import hf
+    from tests.model.test_sources import _hf_model, _write_tokenizer
+
+    d = tmp_path / "tiny-hf"
+    _hf_model("llama", {}).save_pretrained(d)
+    _write_tokenizer(d)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "tiny-hf", "model": {"source": str(d)}, "target": {"device": "cpu"},
+        "limits": {"max_batch_size": 2, "max_seq_len": 64, "max_num_tokens": 32},
+        "kv_cache": {"tokens_per_block": 16, "memory": "2MiB"}}))
+
+    def hashed(*a, **k):
+        raise AssertionError("the weights were hashed")
+    monkeypatch.setattr(hf, "files_sha256", hashed)
+    with pytest.raises(BuildError, match="larger than this machine can build"):
+        build(spec, tmp_path / "plans" / "p", max_memory=1 << 20)
+    with pytest.raises(AssertionError, match="hashed"):     # a build that goes on hashes them
+        build(spec, tmp_path / "plans" / "p", max_memory=1 << 40)

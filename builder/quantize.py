@@ -212,6 +212,11 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def fp32_bytes(weight: torch.Tensor) -> int:
+    """A weight's bytes in float32 (the record's "before"), whatever dtype it arrived in."""
+    return weight.numel() * 4
+
+
 def quantize_model(model: nn.Module, weights: str, group_size: Optional[int] = None,
                    keep_high_precision: tuple[str, ...] = (EMBED, LM_HEAD),
                    calibration: Optional[Calibration] = None, activations: str = "float",
@@ -379,9 +384,9 @@ def _swap_linears(model: nn.Module, all_q: dict[str, nn.Linear], scheme: QuantSc
             done.lm_head = f"{qemb.scheme} (the tied embedding's table)"
         else:
             layer = scheme.layer
-            w = lin.weight.detach().float()
+            w = lin.weight.detach()     # float32, or a streamed build's bf16 (exact values)
             if scheme.rows16 and not formats.fits_int4_a8(
-                    w if scale is None else w / scale[None, :]):
+                    w if scale is None else w.float() / scale[None, :]):
                 layer = "int4"
                 done.layout_kept.append(name)
             done.rows16_used = done.rows16_used or layer == "int4_a8"
@@ -391,6 +396,6 @@ def _swap_linears(model: nn.Module, all_q: dict[str, nn.Linear], scheme: QuantSc
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, q)
         done.quantized.append(name)
-        done.bytes_before += _nbytes([lin.weight])
+        done.bytes_before += fp32_bytes(lin.weight)
         shared = qemb is not None and q.qweight is qemb.qweight
         done.bytes_after += 0 if shared else _nbytes(q.buffers())

@@ -4,9 +4,11 @@
 
 The model is built on the meta device and filled tensor by tensor from the checkpoint's
 stream (safetensors shards and GGUF files are memory-mapped; one tensor is read at a time).
-When the last tensor of a linear arrives it is swapped for its QuantLinear, and its float32
+The weights it packs stay in the checkpoint's dtype (bf16 for most) until then, and are
+widened to float32 a block of rows at a time as they are quantized (exactly: the same
+values). When the last tensor of a linear arrives it is swapped for its QuantLinear, and its
 weight is dropped; the embedding is packed when it arrives (with the tied lm_head that reads
-its table). The builder then holds the packed weights plus one float32 tensor, not the whole
+its table). The builder then holds the packed weights plus one source tensor, not the whole
 float32 model. The result is the model and record quantize_model gives for the same
 arguments without calibration (round to nearest); calibrated schemes need the float model's
 activations and take the eager path (builder/build.py).
@@ -71,6 +73,15 @@ class _StreamQuantizer:
         self.done = q._Swapped()
         self.qemb: Optional[QuantEmbedding] = None
 
+    def keeps_source(self, name: str) -> bool:
+        """Whether load_model may leave the tensor `name` in the checkpoint's dtype: the weight
+        of a linear packed as soon as it completes, and an embedding packed when it arrives
+        (never a table the model keeps, or a norm)."""
+        owner, _, attr = name.rpartition(".")
+        if owner == "tok_embeddings":
+            return self.scheme.embedding is not None and not (self.tied and not self.head)
+        return attr == "weight" and owner in self.pending
+
     def tensor_loaded(self, model: nn.Module, name: str) -> None:
         """load_model's on_tensor: swap the linear (or embedding) `name` completes."""
         owner, _, attr = name.rpartition(".")
@@ -97,7 +108,7 @@ class _StreamQuantizer:
             return
         emb = model.tok_embeddings
         self.qemb = embedding_by_rows(emb.weight.detach(), self.scheme.embedding)
-        self.done.bytes_before += q._nbytes([emb.weight])
+        self.done.bytes_before += q.fp32_bytes(emb.weight)
         self.done.bytes_after += q._nbytes(self.qemb.buffers())
         if self.tied:
             self._tied_head(model)
@@ -140,7 +151,7 @@ def load_quantized(ckpt, weights: str, group_size: Optional[int], keep: tuple[st
     sq = _StreamQuantizer(shape_model, weights, group_size, keep, activations, device)
     del shape_model       # load_model builds its own; the quantizer kept only names
     model = load_model(ckpt, dtype=torch.float32, progress=progress,
-                       on_tensor=sq.tensor_loaded)
+                       on_tensor=sq.tensor_loaded, keep_source=sq.keeps_source)
     return model, sq.finish(model)
 
 

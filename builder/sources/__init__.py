@@ -141,20 +141,23 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
-               progress=None, on_tensor=None) -> DecoderModel:
+               progress=None, on_tensor=None, keep_source=None) -> DecoderModel:
     """The family's model (eval mode, no grad) with every parameter taken from ckpt.tensors().
 
     The model is built on the meta device; each streamed tensor is assigned to its
     parameter, so the weights exist once. Raises CheckpointError naming any tensor that
     is not a parameter, comes twice, has the wrong shape, or is never given. `progress`
     (a builder.progress.Progress) counts the tensors as they arrive; `on_tensor(model, name)`
-    is called after each one is assigned (the streaming quantizer swaps finished linears).
+    is called after each one is assigned (the streaming quantizer swaps finished linears);
+    `keep_source(name)` True: that tensor stays in the checkpoint's dtype (bf16: the
+    streaming quantizer widens a weight it packs a block of rows at a time, so an 8B model's
+    128K x 4096 lm_head never exists in float32 whole).
     """
     with torch.device("meta"):
         model = build_model(ckpt.config)
     declared = {n: tuple(p.shape) for n, p in model.named_parameters()}
     filled: set[str] = set()
-    for name, tensor in ckpt.tensors(dtype):
+    for name, tensor in ckpt.tensors(None if keep_source else dtype):
         if name not in declared:
             raise CheckpointError(f"{ckpt.source_desc}: tensor {name} is not a parameter "
                                   "of the model")
@@ -166,7 +169,9 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype = torch.float32,
                                   f"{list(declared[name])}")
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner) if owner else model
-        setattr(module, attr, nn.Parameter(tensor.to(dtype).contiguous(), requires_grad=False))
+        if not (keep_source and keep_source(name) and tensor.is_floating_point()):
+            tensor = tensor.to(dtype)
+        setattr(module, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
         filled.add(name)
         del tensor
         if on_tensor is not None:

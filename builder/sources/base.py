@@ -38,8 +38,10 @@ class Checkpoint:
             self._weights_digest = self._weights_digest()
         return self._weights_digest
 
-    def tensors(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
-        """Our parameter names and tensors (already fused/unpermuted), streamed one at a time."""
+    def tensors(self, dtype: Optional[torch.dtype] = torch.float32
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Our parameter names and tensors (already fused/unpermuted), streamed one at a time
+        (dtype None: in the source's dtype, bf16 for most checkpoints)."""
         return self._stream(dtype)
 
     def tensors_of(self, names: set[str], dtype: torch.dtype = torch.float32
@@ -59,6 +61,7 @@ def build_mapped(plan: Iterable, read: Callable[[str], torch.Tensor], config: De
             raise
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from None
-        t = t.to(dtype)      # the source's copy (bf16 ...) goes now, not after the next one
+        if dtype is not None:    # None: as the source holds it
+            t = t.to(dtype)      # the source's copy (bf16 ...) goes now, not after the next one
         yield m.target, t
         del t                # before the next tensor is read

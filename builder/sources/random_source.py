@@ -61,7 +61,7 @@ def open_random(arch, seed: int, tokenizer: Optional[str] = None) -> Checkpoint:
             t = torch.randn(shape, generator=g) * 0.02
             if name.endswith("norm.weight"):
                 t += 1.0
-            yield name, t.to(dtype)
+            yield name, t if dtype is None else t.to(dtype)
 
     return Checkpoint(config=config, tokenizer_json=tokenizer_json, generation=generation,
                       _weights_digest=hashlib.sha256(key.encode()).hexdigest(),

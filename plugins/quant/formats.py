@@ -250,13 +250,17 @@ def quantize(w: torch.Tensor, scheme: str, group_size: int | None = None) -> Qua
     A weight of more than QUANTIZE_ROWS rows is quantized that many rows at a time: every
     format's groups and scales lie within a row (int4_a8's interleaved blocks within 16
     rows), so the result is the same, without whole-weight float temporaries (an 8B model's
-    untied lm_head, 128K x 4096: 2 GB each, several at once)."""
+    untied lm_head, 128K x 4096: 2 GB each, several at once). A bf16 weight (a streamed
+    build keeps the checkpoint's bf16) is widened to float32 a block of rows at a time:
+    exactly, so the result is the same."""
     n = int(w.shape[0])
-    if n <= QUANTIZE_ROWS or scheme in ("fp32", "bf16"):
+    if scheme in ("fp32", "bf16"):
         return _quantize(w, scheme, group_size)
+    if n <= QUANTIZE_ROWS:
+        return _quantize(w.float(), scheme, group_size)
     if scheme == "int4_a8":
         check_int4_a8_shape(n, int(w.shape[1]))
-    parts = [_quantize(w[i:i + QUANTIZE_ROWS], scheme, group_size)
+    parts = [_quantize(w[i:i + QUANTIZE_ROWS].float(), scheme, group_size)
              for i in range(0, n, QUANTIZE_ROWS)]
 
     def cat(field: str):

@@ -42,9 +42,9 @@ class QuantLinear(nn.Module):
                     ) -> "QuantLinear":
         """Quantize an nn.Linear. With input_scale s (AWQ), W*diag(1/s) is what is quantized
         and x*s what is multiplied, so the product is unchanged before rounding."""
-        w = linear.weight.detach().float()
+        w = linear.weight.detach()          # float32, or bf16 (quantize widens it by rows)
         if input_scale is not None:
-            w = w / input_scale[None, :]
+            w = w.float() / input_scale[None, :]
         qw = formats.quantize(w, scheme, group_size)
         return cls(qw, linear.bias, input_scale, activations)
 

@@ -19,6 +19,41 @@ def _ckpt(tied: bool, bias: bool = False):
     return open_random(arch, 3)
 
 
+def _bf16_source(ckpt):
+    """ckpt's tensors rounded to bf16, streamed as bf16 where the reader asks for the
+    source's dtype (dtype None), as a bf16 safetensors checkpoint is."""
+    full = ckpt._stream
+
+    def stream(dtype):
+        for n, t in full(torch.float32):
+            t = t.to(torch.bfloat16)
+            yield n, t if dtype is None else t.to(dtype)
+    ckpt._stream = stream
+    return ckpt
+
+
+def test_the_stream_keeps_bf16_only_for_what_it_packs_at_once():
+    from kiln.builder import streaming
+
+    ckpt = _bf16_source(_ckpt(False))
+    kept = []
+    real = streaming._StreamQuantizer.keeps_source
+
+    def spy(self, name):
+        kept.append(name) if real(self, name) else None
+        return real(self, name)
+    streaming._StreamQuantizer.keeps_source = spy
+    try:
+        model, _ = load_quantized(ckpt, "int4", None, ("layers.1",), "int8", "cpu")
+    finally:
+        streaming._StreamQuantizer.keeps_source = real
+    assert "tok_embeddings.weight" in kept and "output.weight" in kept
+    assert "layers.0.attention.wqkv.weight" in kept
+    assert not any(n.startswith("layers.1.") or "norm" in n for n in kept)
+    floats = [t for t in model.state_dict().values() if t.is_floating_point()]
+    assert floats and all(t.dtype != torch.bfloat16 for t in floats)
+
+
 @pytest.mark.parametrize("weights,acts,keep,tied", [
     ("int4", "int8", ("lm_head",), True),       # W4A8, embedding packed, tied int8 head
     ("int4", "int8", (), False),                # untied head quantized on its own
@@ -30,8 +65,11 @@ def _ckpt(tied: bool, bias: bool = False):
     ("bf16", "float", (), True),
     ("fp32", "float", (), False),
 ])
-def test_streamed_equals_whole_model_quantized(weights, acts, keep, tied):
+@pytest.mark.parametrize("source", ["float32", "bfloat16"])
+def test_streamed_equals_whole_model_quantized(weights, acts, keep, tied, source):
     ckpt = _ckpt(tied, bias=weights == "int8")
+    if source == "bfloat16":     # a bf16 checkpoint: the stream packs its weights unwidened
+        ckpt = _bf16_source(ckpt)
     ref = load_model(ckpt)
     ref_record = quantize_model(ref, weights, keep_high_precision=keep, activations=acts)
     model, record = load_quantized(ckpt, weights, None, keep, acts, "cpu")

@@ -279,3 +279,18 @@ def test_a_tall_weight_is_quantized_by_rows_to_the_same_result(scheme, group_siz
         assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     with pytest.raises(ValueError, match=r"\[N, K\] = \[16392, 256\]"):
         formats.quantize(torch.zeros(16392, 256), "int4_a8")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8", "int4_a8", "bf16", "fp32"])
+@pytest.mark.parametrize("rows", [64, 2 * formats.QUANTIZE_ROWS + 32])
+def test_a_bf16_weight_quantizes_as_its_float32_widening(scheme, rows):
+    # a streamed build hands the checkpoint's bf16 weight over; widened block by block it
+    # must give the bytes the whole float32 weight gives
+    w = (torch.randn(rows, 128, generator=torch.Generator().manual_seed(1)) * 0.05
+         ).to(torch.bfloat16)
+    a, b = formats.quantize(w, scheme), formats.quantize(w.float(), scheme)
+    assert (a.shape, a.group_size, a.scheme) == (b.shape, b.group_size, b.scheme)
+    for field in ("qweight", "scales", "zeros"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(
+            x.view(torch.uint8), y.view(torch.uint8))), field

@@ -1,6 +1,7 @@
 """The build's side of the accuracy gate: the unquantized reference, the verdict, calibration.
 
-    ids = first accuracy.eval_tokens tokens of the evaluation text (runtime/accuracy_gate.py)
+    ids = the evaluation text's first eval_tokens_for(accuracy, params) tokens (by model size
+          unless the spec sets accuracy.eval_tokens; runtime/accuracy_gate.py)
     reference = eager fp32 model of the same checkpoint on the same windows   (cached; needs
                 the checkpoint, so it is computed here and recorded in the plan); run one
                 decoder layer at a time when no fp32 model is at hand
@@ -28,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from kiln.builder import layerwise_reference as layerwise
+from kiln.builder.spec import eval_tokens_for
 from kiln.contracts.manifest import AccuracyRecord
 from kiln.contracts.reports import GateScore
 from kiln.plugins.paged_kv import kv_format
@@ -117,7 +119,7 @@ class Gate:
         text = racc.eval_text(self.text_name)
         self.text_sha = racc.sha256_text(text)
         self.window = racc.window_size(spec.limits.max_num_tokens, spec.limits.max_seq_len)
-        n = spec.accuracy.eval_tokens
+        n = eval_tokens_for(spec.accuracy, ckpt.config.num_parameters)
         all_ids = racc.eval_ids(encoder(ckpt.tokenizer_json), text, n)
         self.ids = all_ids
         self.ckpt = ckpt
@@ -189,7 +191,7 @@ def calibration_runner(spec, ckpt) -> Callable[[torch.nn.Module], None]:
     enc = encoder(ckpt.tokenizer_json)
     if name == "pydoc":
         ids = enc(racc.eval_text("pydoc"))
-        start = spec.accuracy.eval_tokens
+        start = eval_tokens_for(spec.accuracy, ckpt.config.num_parameters)
         ids = ids[start:start + CALIBRATION_TOKENS]
         if len(ids) < 64:
             ids = enc(racc.eval_text("pydoc"))[:CALIBRATION_TOKENS]

@@ -288,9 +288,28 @@ class AccuracySpec(_Strict):
     max_ppl_increase: Optional[float] = Field(
         default=None, ge=0, description="largest relative perplexity increase over the "
         "unquantized model (0.05 = 5%); default per precision")
-    eval_tokens: int = Field(default=20480, ge=256, description="evaluation tokens")
+    eval_tokens: Optional[int] = Field(default=None, ge=256, description="evaluation "
+                                       "tokens; default by model size (eval_tokens_for)")
     calibration_text: Optional[str] = Field(default=None, description="text for AWQ-style "
                                             "int4 calibration (`pydoc` = Python's docs)")
+
+
+EVAL_TOKENS = 20480                # the gate's default evaluation tokens, up to ...
+EVAL_TOKENS_FULL_PARAMS = 1.5e9    # ... this many parameters; fewer in proportion above
+EVAL_TOKENS_FLOOR = 2048
+
+
+def eval_tokens_for(accuracy: AccuracySpec, params: int) -> int:
+    """The accuracy gate's evaluation tokens: accuracy.eval_tokens, else by model size. The
+    gate's two passes (the reference, the compiled plan) cost tokens x parameters, so past
+    1.5 B parameters the default shrinks in proportion, in whole 256s and never below 2048:
+    20480 up to 1.5 B, 9472 at 3.2 B (Llama 3.2 3B), 3584 at 8 B, 2048 from 15 B."""
+    if accuracy.eval_tokens is not None:
+        return accuracy.eval_tokens
+    if params <= EVAL_TOKENS_FULL_PARAMS:
+        return EVAL_TOKENS
+    scaled = int(EVAL_TOKENS * EVAL_TOKENS_FULL_PARAMS / params) // 256 * 256
+    return max(EVAL_TOKENS_FLOOR, scaled)
 
 
 class GoldenPrompt(_Strict):
@@ -413,6 +432,8 @@ class Spec(_Strict):
         for key in ("golden_agreement", "speculative", "lora"):   # added later: unset keeps old
             if data[key] is None:                          # fingerprints
                 del data[key]
+        if data["accuracy"]["eval_tokens"] is None:      # by model size (eval_tokens_for)
+            del data["accuracy"]["eval_tokens"]
         if data.get("speculative", {}).get("draft_plan", 0) is None:
             del data["speculative"]["draft_plan"]
         return data

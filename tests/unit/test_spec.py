@@ -2,7 +2,7 @@
 import pytest
 
 from kiln.builder.arch.config import UnsupportedConfig
-from kiln.builder.spec import SpecError, load_spec, parse_memory, parse_spec
+from kiln.builder.spec import SpecError, eval_tokens_for, load_spec, parse_memory, parse_spec
 from tests.helpers import TINY_SPEC as BASE, spec_problems as problems
 
 pytestmark = pytest.mark.unit
@@ -29,6 +29,18 @@ def test_default_gate_adds_the_kv_cache_share(precision, kv, limit):
     assert spec.kv_dtype == kv and spec.max_ppl_increase == limit
     spec = parse_spec(BASE + f"precision: {precision}\naccuracy: {{max_ppl_increase: 0.5}}\n")
     assert spec.max_ppl_increase == 0.5
+
+
+@pytest.mark.parametrize("params,tokens", [
+    (135_000_000, 20480), (1_240_000_000, 20480), (1_500_000_000, 20480),
+    (3_210_000_000, 9472), (8_030_000_000, 3584), (70_600_000_000, 2048)])
+def test_the_gates_tokens_shrink_with_the_model_unless_the_spec_sets_them(params, tokens):
+    spec = parse_spec(BASE)
+    assert spec.accuracy.eval_tokens is None and "eval_tokens" not in spec.canonical()["accuracy"]
+    assert eval_tokens_for(spec.accuracy, params) == tokens
+    spec = parse_spec(BASE + "accuracy: {eval_tokens: 1024}\n")
+    assert eval_tokens_for(spec.accuracy, params) == 1024
+    assert spec.canonical()["accuracy"]["eval_tokens"] == 1024
 
 
 def test_unknown_key_names_its_path():

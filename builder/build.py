@@ -149,8 +149,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_spec_against_model(spec, ckpt.config)
     ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
-    if (force or not (out / MANIFEST_FILE).is_file()) and \
-            (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+    sized = force or not (out / MANIFEST_FILE).is_file()
+    if sized and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # nothing to be up to date with: the
         #                                                 weights are not even hashed
     draft = check_draft(spec, spec_path, ckpt, target, out, draft_plan)
@@ -161,7 +161,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         manifest = read_manifest(out)
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
-    if (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+    if not sized and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # before any weight is read
     out.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(out)
@@ -233,9 +233,11 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     import torch
 
     from kiln.builder import compile as kcompile
+    from kiln.builder.memory import map_big_blocks, release_freed
     from kiln.builder.sources import load_model
     from kiln.builder.streaming import load_quantized_for, streams
 
+    map_big_blocks()
     if streams(spec, ckpt.config):     # each linear packed as it loads; the reference loads its own
         gate = _reference(None, spec, ckpt, progress)
         model, quantization = load_quantized_for(spec, ckpt, progress)
@@ -249,10 +251,13 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
     lora = _enable_lora(model, spec)
     engine = _compile(model, tmp, spec, target, progress, lora)
     progress.stage("checking the compiled step against the eager model")
-    check = kcompile.check_engine(model, tmp, engine, spec, spec.kv_dtype, lora)
+    weights = _share_weights(model, tmp, engine)
+    check = kcompile.check_engine(model, tmp, engine, spec, spec.kv_dtype, lora, weights)
     del model
+    release_freed()
     accuracy = (None if gate is None
-                else _accuracy_gate(gate, tmp, engine, spec, progress, lora))
+                else _accuracy_gate(gate, tmp, engine, spec, progress, lora, weights))
+    del weights
     (tmp / "tokenizer.json").write_text(ckpt.tokenizer_json)
     (tmp / "generation.json").write_text(json.dumps(ckpt.generation, indent=2, sort_keys=True))
     manifest = _manifest(tmp, spec, spec_path, ckpt, target, fp, fp_inputs,
@@ -260,6 +265,25 @@ def _build_into(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, f
                                 streams(spec, ckpt.config)))
     (tmp / MANIFEST_FILE).write_text(manifest.dumps())
     return manifest
+
+
+def _share_weights(model, tmp: Path, engine: EngineSection):
+    """The plan's weights file mapped once for the check and the gate, the eager model's
+    weights pointed at it (values checked equal) and its private copy freed: from here the
+    build holds the weights once, in the page cache (None: weights inside the engine)."""
+    if engine.weights is None:
+        return None
+    import gc
+
+    from kiln.builder import compile as kcompile
+    from kiln.builder.memory import release_freed
+    from kiln.runtime.weights import map_weights
+
+    gc.collect()     # the export's cyclic garbage still references the model's weights
+    weights = map_weights(tmp / engine.weights.file, engine.weights, None)
+    kcompile.bind_mapped_weights(model, weights.tensors)     # frees them one by one
+    release_freed()
+    return weights
 
 
 def _reference(model, spec: Spec, ckpt, progress: Progress):
@@ -411,16 +435,17 @@ def _quantize(model, spec: Spec, ckpt, progress: Progress) -> QuantizationRecord
 
 
 def _accuracy_gate(gate, tmp: Path, engine: EngineSection, spec: Spec,
-                   progress: Progress, lora: Optional[LoraSection] = None) -> AccuracyRecord:
-    """Run the compiled plan on the evaluation text (a LoRA plan: its base model); BuildError
-    when over the limit."""
+                   progress: Progress, lora: Optional[LoraSection] = None,
+                   weights=None) -> AccuracyRecord:
+    """Run the compiled plan on the evaluation text (a LoRA plan: its base model; weights: its
+    mapped weights, None: mapped here); BuildError when over the limit."""
     from kiln.builder.accuracy_reference import gate_message
     from kiln.runtime.lora_buffers import base_only
     from kiln.runtime.plan import load_engine
 
     progress.stage(f"accuracy gate: compiled plan vs unquantized model on {len(gate.ids)} "
                    f"tokens of {gate.text_name}")
-    step = load_engine(tmp, engine)
+    step = load_engine(tmp, engine, weights=weights)
     if lora is not None:
         step = base_only(step, lora, gate.ckpt.config.num_layers)
     score = gate.run(step, spec.kv_dtype, tmp)

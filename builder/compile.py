@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 from torch.export import Dim
 
+from kiln.builder.memory import release_freed
 from kiln.contracts.manifest import (CheckSection, EngineSection, WeightsSection,
                                      WeightTensor)
 from kiln.plugins.isa import IsaLevel
@@ -108,11 +109,78 @@ def sample_input(T: int, B: int, tokens_per_block: int, num_logits: int) -> Mode
                             logits_indices=range(T - num_logits, T))
 
 
+def weights_as_parameters(model: torch.nn.Module) -> None:
+    """Make the model's persistent buffers (the packed weights, their scales) parameters that
+    need no gradient, in place: the same tensors under the same names. AOTInductor keeps a
+    clone of every buffer an exported program reads, as its value before the step could
+    mutate it; the step mutates none (the KV pools are inputs), and those clones were a
+    second copy of a quantized model's weights for the whole compile (1 GiB at 1B, 5 GiB at
+    8B). A tensor registered under two names (a tied embedding and lm_head) stays one."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None or name in module._non_persistent_buffers_set:
+                continue
+            param = made.get(id(buf))
+            if param is None:
+                param = made[id(buf)] = torch.nn.Parameter(buf, requires_grad=False)
+            del module._buffers[name]
+            module.register_parameter(name, param)
+
+
+TRIM_EVERY = 256 << 20     # bind_mapped_weights hands freed heap pages back this often
+
+
+def bind_mapped_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """Point the model's parameters and buffers at the plan's mapped weights (tensors: {fqn:
+    view of weights.bin}) after checking each holds the same values, so the check and the
+    gate that follow hold the weights once (the page cache's pages) instead of the model's
+    private copy beside the mapped plan. -> the bytes of private weights released.
+    RuntimeError where the file and the model disagree (the plan is not written)."""
+    sites: dict[int, tuple] = {}    # id(a tensor) -> (it, [(its table, name)] in the model)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, own in table.items():
+                if own is not None:
+                    sites.setdefault(id(own), (own, []))[1].append((table, attr))
+    freed = 0
+    for fqn, view in tensors.items():
+        owner, _, attr = fqn.rpartition(".")
+        try:
+            module = model.get_submodule(owner)
+        except AttributeError:
+            continue                # a constant of the compiled graph only (none on CPU now)
+        own = module._parameters.get(attr)
+        if own is None:
+            own = module._buffers.get(attr)
+        if own is None:
+            continue
+        if (own.dtype != view.dtype or own.shape != view.shape
+                or not torch.equal(own, view)):
+            raise RuntimeError(f"the plan's weights file disagrees with the model at {fqn}; "
+                               "this is a kiln bug, the plan was not written")
+        held, where = sites.pop(id(own), (None, ()))
+        if held is not own or own.data_ptr() == view.data_ptr():
+            continue
+        new = (torch.nn.Parameter(view, requires_grad=False)
+               if isinstance(own, torch.nn.Parameter) else view)
+        for table, name in where:   # every name of it (a tied table: the file has one)
+            table[name] = new
+        size = own.untyped_storage().nbytes()
+        del held, own               # freed here, one tensor at a time: no moment holds both
+        freed += size
+        if freed // TRIM_EVERY != (freed - size) // TRIM_EVERY:
+            release_freed()         # small tensors' heap pages, returned as they go
+    return freed
+
+
 def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, max_blocks: int,
             tokens_per_block: int, kv_dtype: str, lora=None):
     """torch.export the engine step with dynamic dims bounded by the limits; `lora` (the
-    manifest's LoraSection): the step also takes the adapters."""
+    manifest's LoraSection): the step also takes the adapters. The model's weights become
+    parameters (weights_as_parameters)."""
     cfg = model.cfg
+    weights_as_parameters(model)
     B = min(2, max_batch_size)
     T = min(max(B, 8), max_num_tokens) if max_num_tokens >= 2 else 1
     num_blocks = max(4, 2 * B)
@@ -139,8 +207,25 @@ def capture(model: torch.nn.Module, max_num_tokens: int, max_batch_size: int, ma
         args += LoraBuffers(lora, cfg.num_layers).args(slots)
         dynamic_shapes += ({0: dims["T"]} if dims["T"] is not None else None, None,
                            [None] * n, [None] * n)
-    with torch.no_grad():
+    with torch.no_grad(), _export_traces_forgotten():
         return torch.export.export(model, args, dynamic_shapes=dynamic_shapes)
+
+
+@contextlib.contextmanager
+def _export_traces_forgotten():
+    """Drop what torch's tracer keeps after an export or an AOTInductor compile: a module
+    global maps each traced value to its graph node until the next trace, and those nodes'
+    graph holds a module that references every weight the step read. Left alone, that kept
+    the eager model's packed weights alive after the build pointed the model at the plan's
+    mapped file (5 GiB at 8B)."""
+    try:
+        yield
+    finally:
+        from torch.fx.experimental import proxy_tensor
+
+        traces = getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", None)
+        if isinstance(traces, dict):
+            traces.clear()
 
 
 @dataclass(frozen=True)
@@ -167,6 +252,7 @@ def compile_engine(ep, path: Path, backend: str, level: IsaLevel | None,
     from kiln.plugins import shims
 
     with contextlib.ExitStack() as cpu_codegen:
+        cpu_codegen.enter_context(_export_traces_forgotten())
         if level is not None:      # a CPU plan: its ISA, regions for any thread count,
             cpu_codegen.enter_context(inductor_isa(level))     # kiln ops by their C shims
             cpu_codegen.enter_context(kernel_regions())
@@ -254,19 +340,19 @@ def _rounds_bf16(model: torch.nn.Module, engine: EngineSection) -> bool:
 
 @torch.no_grad()
 def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, spec,
-                 kv_dtype: str, lora=None) -> CheckSection:
+                 kv_dtype: str, lora=None, weights=None) -> CheckSection:
     """Run the compiled step and the eager model on the same batches; they must agree.
 
     Two steps over the same pool (a prefill chunk, then decodes) so the in-place KV writes of
     the compiled step are exercised too; `lora` (LoraSection): random adapters in every slot,
-    a different one per sequence and one sequence on the base model. Returns the max logit
-    difference.
+    a different one per sequence and one sequence on the base model; `weights` (MappedWeights):
+    the plan's weights, mapped once by the caller. Returns the max logit difference.
     """
     from kiln.runtime.plan import load_engine
 
     cfg = model.cfg
     bs = spec.kv_cache.tokens_per_block
-    step = load_engine(plan_dir, engine)
+    step = load_engine(plan_dir, engine, weights=weights)
     B = min(3, spec.limits.max_batch_size)
     chunk = min(spec.limits.max_num_tokens - (B - 1), 12, spec.limits.max_seq_len - 2)
     lens = [chunk] + [1] * (B - 1)

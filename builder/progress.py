@@ -3,7 +3,8 @@
 On a terminal the current stage's line is redrawn with its elapsed time (a compile runs for
 minutes) and counters; elsewhere (CI logs) each stage prints one line when it ends. A stage's
 closing line carries the builder's peak RSS so far (builder/memory.py), so the stage that set
-the peak is the first whose figure reaches it.
+the peak is the first whose figure reaches it, and the RSS at its end (what the stage left
+held for the next).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 import threading
 import time
 
-from kiln.builder.memory import gib, peak_rss_bytes
+from kiln.builder.memory import gib, peak_rss_bytes, rss_bytes
 
 
 class Progress:
@@ -48,8 +49,11 @@ class Progress:
         with self._lock:
             if self._stage is not None:
                 dt = time.perf_counter() - self._stage_t
+                now = rss_bytes()
+                held = "" if now is None else f", {gib(now)} at its end"
                 self._write(("\r\x1b[K" if self.tty else "")
-                            + f"  {self._stage} ({dt:.1f}s, peak RSS {gib(peak_rss_bytes())})\n")
+                            + f"  {self._stage} ({dt:.1f}s, peak RSS {gib(peak_rss_bytes())}"
+                            + f"{held})\n")
             self._stage, self._detail = None, ""
 
     def stage(self, name: str) -> None:

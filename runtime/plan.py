@@ -380,13 +380,16 @@ def load_step_fn(plan: Plan) -> StepFn:
 
 def load_engine(path: Path, engine: EngineSection,
                 files: Optional[Mapping[str, FileEntry]] = None,
-                fix: str = "kiln build <spec> --force") -> StepFn:
+                fix: str = "kiln build <spec> --force",
+                weights: Optional[MappedWeights] = None) -> StepFn:
     """Load the kernels and the compiled engine an engine section names, from `path`.
 
     files: the checksums the code must match (None: a plan the builder is writing, which runs
     it before the manifest exists). The callable takes the engine-step inputs of DESIGN.md in
     order: (input_ids, positions, slot_mapping, block_tables, context_lens, query_start_loc,
     logits_indices, k_caches, v_caches) -> logits [B, vocab] float32.
+    weights: the weights file as the caller mapped it (the builder's check and gate share one
+    mapping), held, not closed, by the step (None: mapped here, closed with the step).
     """
     import importlib
     import tempfile
@@ -408,13 +411,15 @@ def load_engine(path: Path, engine: EngineSection,
             load_library(verified_copy(path, lib, Path(private), expected(lib), fix))
         f = verified_copy(path, engine.file, Path(private), expected(engine.file), fix)
         if engine.backend == "aoti":
-            weights = _map_weights(path, engine, expected, fix)    # verified before any run
+            owned = weights is None
+            if owned:
+                weights = _map_weights(path, engine, expected, fix)   # verified before any run
             if engine_call.available():   # the plan's kernels include the GIL-free call
                 runner = _NoGilEngine.open(f, Path(private), path, fix)
             else:
                 runner = _LoaderEngine(load_aoti_package(f, Path(private), path, fix))
             if weights is not None:
-                runner.load_weights(weights)
+                runner.load_weights(weights, owned)
             return _aoti_step(runner, path, fix)
         runner = torch.export.load(str(f)).module()
 
@@ -492,10 +497,12 @@ class _LoaderEngine:
         self.loader = compiled.loader
         self.weights: Optional[MappedWeights] = None
 
-    def load_weights(self, weights: MappedWeights) -> None:
-        """The mapped weights as the engine's constants, not copied (user managed)."""
+    def load_weights(self, weights: MappedWeights, owned: bool = True) -> None:
+        """The mapped weights as the engine's constants, not copied (user managed); owned: the
+        engine unmaps them when it is dropped."""
         self.compiled.load_constants(weights.tensors, check_full_update=True, user_managed=True)
-        self.weights = weights
+        self.weights = weights if owned else None
+        self._held = weights
 
     def __del__(self):
         self.compiled = self.loader = None    # the runner first, then the pages it read
@@ -535,12 +542,14 @@ class _NoGilEngine:
     def run(self, flat: list) -> list:
         return self._run(self.handle, flat)
 
-    def load_weights(self, weights: MappedWeights) -> None:
-        """The mapped weights as the engine's constants, not copied (user managed)."""
+    def load_weights(self, weights: MappedWeights, owned: bool = True) -> None:
+        """The mapped weights as the engine's constants, not copied (user managed); owned: the
+        engine unmaps them when it is dropped."""
         names = list(weights.tensors)
         torch.ops.kiln_engine.load_constants(self.handle, names,
                                              [weights.tensors[n] for n in names])
-        self.weights = weights
+        self.weights = weights if owned else None
+        self._held = weights
 
     def __del__(self):
         try:

@@ -24,7 +24,8 @@ def test_build_log_carries_peak_rss_per_stage(logged_build):
     res, log = logged_build
     stages = [ln for ln in log.splitlines() if ln.startswith("  ")]
     assert any(ln.startswith("  loading weights") for ln in stages)
-    assert stages and all(", peak RSS " in ln and ln.endswith(" GiB)") for ln in stages)
+    assert stages and all(", peak RSS " in ln and ln.endswith(" GiB at its end)")
+                          for ln in stages)
     assert "builder peak RSS" in log.splitlines()[-1]
 
 

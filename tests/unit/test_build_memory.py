@@ -12,7 +12,7 @@ from kiln.builder.progress import Progress
 pytestmark = pytest.mark.unit
 
 
-def test_each_stage_line_carries_the_peak_rss():
+def test_each_stage_line_carries_the_peak_rss_and_what_it_left_held():
     out = io.StringIO()
     p = Progress(stream=out)
     p.stage("loading weights")
@@ -20,7 +20,10 @@ def test_each_stage_line_carries_the_peak_rss():
     p.done("plan written")
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("  loading weights (") and ", peak RSS " in lines[0]
-    assert lines[1].startswith("  quantizing (") and lines[1].endswith(" GiB)")
+    assert lines[1].startswith("  quantizing (") and lines[1].endswith(" GiB at its end)")
+    held = float(lines[1].split(", ")[-1].split()[0])
+    peak = float(lines[1].split("peak RSS ")[1].split()[0])
+    assert 0.05 < held <= peak
     assert "builder peak RSS" in lines[2]
 
 

@@ -149,8 +149,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     check_spec_against_model(spec, ckpt.config)
     ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
-    sized = force or not (out / MANIFEST_FILE).is_file()
-    if sized and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+    must_build = force or not (out / MANIFEST_FILE).is_file()   # no fingerprint to match
+    if must_build and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # nothing to be up to date with: the
         #                                                 weights are not even hashed
     draft = check_draft(spec, spec_path, ckpt, target, out, draft_plan)
@@ -161,7 +161,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         manifest = read_manifest(out)
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
-    if not sized and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+    if not must_build and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # before any weight is read
     out.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(out)

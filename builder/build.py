@@ -9,7 +9,9 @@ step that touches the output path, so a failed or interrupted build leaves nothi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -155,28 +157,70 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
         #                                                 weights are not even hashed
     draft = check_draft(spec, spec_path, ckpt, target, out, draft_plan)
     fp, fp_inputs = plan_fingerprint(spec, ckpt, target, draft)
-    if not force and is_up_to_date(out, fp):
-        from kiln.runtime.plan import read_manifest
-
-        manifest = read_manifest(out)
+    if not force and (manifest := _current_manifest(out, fp)) is not None:
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
     if not must_build and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # before any weight is read
     out.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_stale(out)
-    tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        manifest = _build_into(tmp, spec, spec_path, ckpt, target, fp, fp_inputs, progress,
-                               draft)
-        _replace_dir(tmp, out)
-    except BaseException:
+    with _output_lock(out, progress):
+        # another build of `out` (a second CI job, a second test worker) may have written it
+        # while this one waited for the lock
+        if not force and (manifest := _current_manifest(out, fp)) is not None:
+            return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
+        _sweep_stale(out)
+        tmp = out.with_name(f".{out.name}.building-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        tmp.mkdir()
+        try:
+            manifest = _build_into(tmp, spec, spec_path, ckpt, target, fp, fp_inputs, progress,
+                                   draft)
+            _replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     progress.done(f"plan written to {out}")
     return BuildResult(out, fp, True, "built", time.perf_counter() - t0, manifest)
+
+
+def _current_manifest(out: Path, fp: str):
+    """The manifest of the plan at `out` when it is up to date with fingerprint `fp`."""
+    if not is_up_to_date(out, fp):
+        return None
+    from kiln.runtime.plan import read_manifest
+
+    return read_manifest(out)
+
+
+@contextlib.contextmanager
+def _output_lock(out: Path, progress: Progress):
+    """Hold `.NAME.lock` beside `out` while a build of `out` runs, so that two builds of one
+    output run one after the other. The file exists only while held: its holder removes it
+    before the release, and a waiter that then locks a removed file opens the path again."""
+    path = out.with_name(f".{out.name}.lock")
+    waited = False
+    while True:
+        f = open(path, "a+b")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not waited:
+                progress.stage(f"waiting for another build of {out}")
+                waited = True
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()
+    if waited:
+        progress.end_stage()
+    try:
+        yield
+    finally:
+        os.unlink(path)
+        f.close()
 
 
 def _sweep_stale(out: Path) -> None:

@@ -65,6 +65,10 @@ class Progress:
             threading.Thread(target=self._tick, args=(self._ticker,), daemon=True).start()
             self._redraw()
 
+    def end_stage(self) -> None:
+        """Close the current stage (its line with its duration) without starting another."""
+        self._close_stage()
+
     def count(self, what: str, i: int, n: int) -> None:
         """A counter inside the current stage (e.g. tensors loaded), redrawn on a terminal."""
         if self.tty and (i == n or i % 8 == 0):

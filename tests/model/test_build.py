@@ -241,6 +241,21 @@ def test_build_leaves_no_compiled_model_in_inductors_cache(tiny_spec_path, tmp_p
     assert not [f for f in (tmp_path / "plan").rglob(".aoti-*")]
 
 
+def test_two_builds_of_one_output_build_it_once(tiny_spec_path, tmp_path):
+    """Two `kiln build`s of one output at once (two CI jobs, two test workers): one builds,
+    the other waits for it and finds the plan up to date; nothing is left beside the plan."""
+    spec = tmp_path / "s.yaml"       # its own name: a fingerprint no other test has built
+    spec.write_text(tiny_spec_path.read_text().replace("name: tiny-random", "name: tiny-twice"))
+    cmd = [sys.executable, "-m", "kiln.cli", "build", str(spec), "--out", str(tmp_path / "p")]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=ROOT) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted("up to date" in o for o in outs) == [False, True], outs
+    assert [p.name for p in tmp_path.iterdir() if p.name != "s.yaml"] == ["p"]
+    load_plan(tmp_path / "p")
+
+
 def test_failed_build_leaves_nothing(tmp_path):
     """A checkpoint that fails mid-build leaves no plan and no temporary directory."""
     ckpt = tmp_path / "ckpt"

@@ -35,6 +35,7 @@ from tests.server_helpers import HttpServerProcess, free_port
 # 503 with code "unavailable"): the only failure a client may retry.
 REFUSED = "accepts no new requests"
 MAX_ATTEMPTS = 20
+TALLY_FIELD = {"error": "errors"}      # an Attempt's outcome -> the Tally field it counts in
 
 NGINX_CONF = """\
 worker_processes 1;
@@ -55,6 +56,7 @@ http {{
     listen 127.0.0.1:{grpc_port} http2;
     location / {{
       grpc_pass grpc://kiln_grpc;
+      grpc_next_upstream error timeout non_idempotent;
       grpc_read_timeout 300s;
       grpc_send_timeout 300s;
     }}
@@ -63,6 +65,7 @@ http {{
     listen 127.0.0.1:{http_port};
     location / {{
       proxy_pass http://kiln_http;
+      proxy_next_upstream error timeout non_idempotent;
       proxy_http_version 1.1;
       proxy_buffering off;
       proxy_read_timeout 300s;
@@ -145,7 +148,7 @@ class Attempt:
     detail: str = ""
 
 
-def _triton_inputs(prompt: str, max_tokens: int):
+def _triton_inputs(prompt: str, max_tokens: int, ignore_eos: bool = False):
     import tritonclient.grpc as tc
 
     def tensor(name, dtype, value):
@@ -155,23 +158,30 @@ def _triton_inputs(prompt: str, max_tokens: int):
         return t
     return [tensor("text_input", "BYTES", prompt.encode()),
             tensor("max_tokens", "INT32", max_tokens), tensor("stream", "BOOL", True),
-            tensor("temperature", "FP32", 0.0)]
+            tensor("temperature", "FP32", 0.0)] + (
+            [tensor("ignore_eos", "BOOL", True)] if ignore_eos else [])
 
 
-def grpc_attempt(url: str, model: str, prompt: str, max_tokens: int) -> Attempt:
-    """One streamed KServe request on a new gRPC call (so the proxy picks a replica)."""
+def grpc_attempt(url: str, model: str, prompt: str, max_tokens: int,
+                 first_token: threading.Event | None = None) -> Attempt:
+    """One streamed KServe request on a new gRPC call (so the proxy picks a replica);
+    `first_token` is set once a token came back (the request was accepted)."""
     import tritonclient.grpc as tc
     events: queue.Queue = queue.Queue()
     client = tc.InferenceServerClient(url)
     tokens = 0
     try:
         client.start_stream(callback=lambda result, error: events.put((result, error)))
-        client.async_stream_infer(model, _triton_inputs(prompt, max_tokens), request_id="r")
+        client.async_stream_infer(model, _triton_inputs(prompt, max_tokens,
+                                                        ignore_eos=first_token is not None),
+                                  request_id="r")
         while True:
             result, error = events.get(timeout=120)
             if error is not None:
                 return _failed(str(error), tokens)
             tokens += 1
+            if first_token is not None:
+                first_token.set()
             final = result.get_response().parameters["triton_final_response"].bool_param
             if final:
                 return Attempt("completed")
@@ -223,7 +233,7 @@ def one_request(tally: Tally, attempt, *args) -> None:
             tally.add(retried=1)
             time.sleep(0.02)
             continue
-        tally.add(**{a.outcome: 1})
+        tally.add(**{TALLY_FIELD.get(a.outcome, a.outcome): 1})
         if a.detail:
             tally.note(f"{a.outcome}: {a.detail}")
         return
@@ -257,14 +267,19 @@ def _requests_served(replica: HttpServerProcess) -> int:
                    if k.startswith("kiln_requests_total{")))
 
 
-def _wait_in_flight(replica: HttpServerProcess, timeout: float) -> None:
-    """Return once the replica's metrics show a request in flight (or after `timeout`: the
-    report's in_flight_at_sigterm then says what the drain saw)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if replica.metrics().get("kiln_requests_in_flight", 0) > 0:
-            return
-        time.sleep(0.005)
+def _pin_long_request(tally: Tally, replica: HttpServerProcess, model: str,
+                      max_tokens: int) -> threading.Thread:
+    """One long request (EOS ignored) straight to `replica`, past the proxy; returns once
+    its first token came back, so the replica is surely draining something at SIGTERM
+    (the proxied requests of a tiny model are too short to be caught reliably)."""
+    accepted = threading.Event()
+    t = threading.Thread(target=one_request, daemon=True, args=(
+        tally, grpc_attempt, replica.url, model, "a long request to drain", max_tokens,
+        accepted))
+    t.start()
+    if not accepted.wait(120):
+        raise TimeoutError(f"the pinned request got no token in 120s: {tally.samples}")
+    return t
 
 
 def _load(tally: Tally, stop: threading.Event, nginx: Nginx, model: str, streams: int,
@@ -318,6 +333,7 @@ def run_check(plan: Path, workdir: Path, streams: int = 32, max_tokens: int = 48
     """Start two replicas and nginx, spread requests, SIGTERM replica 0 under `streams`
     concurrent streams, stop everything -> the Report."""
     model = json.loads((plan / "plan.json").read_text())["name"]
+    long_tokens = max_tokens * 4     # fits the tiny plan's 256 positions at the default 48
     replicas = [HttpServerProcess(plan, "--drain-seconds", str(drain_seconds),
                                   log_path=workdir / f"replica{i}.log") for i in range(2)]
     nginx = None
@@ -334,7 +350,7 @@ def run_check(plan: Path, workdir: Path, streams: int = 32, max_tokens: int = 48
         spread = [_requests_served(r) for r in replicas]
         threads = _load(tally, stop, nginx, model, streams, max_tokens)
         _wait_for(tally, tally.completed + 2 * streams, 300)
-        _wait_in_flight(replicas[0], 30)   # a tiny model's requests are short: catch some
+        threads.append(_pin_long_request(tally, replicas[0], model, long_tokens))
         replicas[0].proc.send_signal(signal.SIGTERM)
         not_serving = _watch_not_serving(replicas[0])
         code = replicas[0].proc.wait()
@@ -350,9 +366,12 @@ def run_check(plan: Path, workdir: Path, streams: int = 32, max_tokens: int = 48
         for r in replicas:
             r.terminate()
     drained = re.search(r"draining: (\d+) requests in flight", replicas[0].log())
+    samples = list(tally.samples)
+    if (tally.lost or tally.errors) and nginx is not None:   # what the proxy saw of them
+        samples.append(f"nginx error.log: {nginx.errors()}")
     return Report(tally.requests, tally.completed, tally.retried, tally.lost, tally.errors,
                   spread, int(drained.group(1)) if drained else -1, not_serving, code, after,
-                  list(tally.samples))
+                  samples)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ costs (not a test).
     python -m bench.scale plan-load --plan DIR
     python -m bench.scale decode --plan DIR [--threads 2]
     python -m bench.scale vs-llamacpp --plan DIR --gguf Q4_1.gguf [--batched-bin DIR]
+    python -m bench.scale pipeline --shape 8b --precision w4a8|w8a8 --convert PYTHON SCRIPT
+        --bin DIR [--batched-bin DIR] [--rounds 2]
 
 `make` writes a Hugging Face checkpoint directory (config.json, tokenizer.json, bf16
 safetensors in two shards with model.safetensors.index.json, as real checkpoints are sharded)
@@ -29,9 +31,18 @@ through the page cache) and the peak.
 
 `decode` runs the plan's engine in this process: decode tokens/s at 1 and 32 streams, the
 memory while serving, and the batch-1 step against its bandwidth floor (plan bytes / the
-host's read bandwidth). `vs-llamacpp` alternates it with llama.cpp's llama-bench and
-llama-batched-bench on the same weights (the checkpoint converted with llama.cpp's
-convert_hf_to_gguf.py and quantized with its llama-quantize) and prints the ratios.
+host's read bandwidth); `decode --served` measures the same rates through `kiln serve` (its
+native gRPC API with token-id prompts: a random model's tokens are mostly special tokens
+without text, which a text stream such as KServe's folds into its next response).
+`vs-llamacpp` alternates it with llama.cpp's llama-bench and llama-batched-bench on the same
+weights (the checkpoint converted with llama.cpp's convert_hf_to_gguf.py and quantized with
+its llama-quantize) and prints the ratios.
+
+`pipeline` does all of it for one shape and precision: make, a spec (the throughput spec's
+limits; W4A8 or W8A8 + int8 KV; the gate at 10%: random weights), `kiln build`, the GGUF
+(the converter run on the checkpoint linked beside a tokenizer.json it knows, then
+llama-quantize to Q4_1 or Q8_0, the bf16 GGUF removed) and vs-llamacpp; the checkpoint, the
+plan and the GGUF stay under --dir, and a later run reuses them.
 """
 from __future__ import annotations
 
@@ -194,6 +205,17 @@ def plan_load(plan_dir: str) -> dict:
                 seconds=seconds, before=before, after=after)
 
 
+def _decode_rate(run, streams: int, n: int) -> float:
+    """`run(k)` generates k tokens for each of `streams` prompts -> the decode rate: the
+    tokens after the first over the time the first (prefill and first token) did not take."""
+    t0 = time.perf_counter()
+    run(1)
+    t1 = time.perf_counter()
+    run(n)
+    t2 = time.perf_counter()
+    return round(streams * (n - 1) / ((t2 - t1) - (t1 - t0)), 2)
+
+
 def decode(plan_dir: str, threads: int) -> dict:
     """The plan's engine in this process: decode tokens/s at 1 and 32 streams (16-token random
     prompts, greedy, fixed lengths), RSS while serving, and the host's read bandwidth (a sum
@@ -218,13 +240,8 @@ def decode(plan_dir: str, threads: int) -> dict:
         for streams, n in ((1, 48), (32, 24)):
             prompts = [torch.randint(100, plan.shape.vocab_size, (16,), generator=g).tolist()
                        for _ in range(streams)]
-            t0 = time.perf_counter()
-            eng.generate(prompts, greedy(1))            # prefill and first token alone
-            t1 = time.perf_counter()
-            eng.generate(prompts, greedy(n))
-            t2 = time.perf_counter()
-            # the decode rate: the tokens after the first over the time the first did not take
-            out[f"decode_tok_s_{streams}"] = round(streams * (n - 1) / ((t2 - t1) - (t1 - t0)), 2)
+            out[f"decode_tok_s_{streams}"] = _decode_rate(
+                lambda k: eng.generate(prompts, greedy(k)), streams, n)
         out["rss_serving"] = {k: gib(_proc_kib("/proc/self/status", k + ":") or 0)
                               for k in ("RssAnon", "RssFile", "VmHWM")}
     x = torch.ones(512 << 20)
@@ -238,8 +255,49 @@ def decode(plan_dir: str, threads: int) -> dict:
     return out
 
 
+def served_decode(plan_dir: str, threads: int) -> dict:
+    """`decode`'s rates through `kiln serve` (the native gRPC API, token-id prompts, greedy,
+    EOS ignored): one stream from its responses' times, 32 from whole runs as in `decode`."""
+    import concurrent.futures
+    import random
+    import signal
+
+    import grpc
+
+    from bench.serving_efficiency import serve
+    from kiln.runtime.plan import read_manifest
+    from kiln.runtime.server.proto import kiln_pb2 as pb
+    from kiln.runtime.server.proto import kiln_pb2_grpc as pbg
+
+    vocab = read_manifest(plan_dir).model.shape.vocab_size
+    rng = random.Random(0)
+    out: dict = {"plan": plan_dir, "threads": threads, "served": True}
+    proc, port = serve(Path(plan_dir), threads)
+    try:
+        stub = pbg.KilnStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+        def one(ids: list[int], n: int) -> list[float]:
+            req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(
+                max_tokens=n, temperature=0.0, ignore_eos=True))
+            times = [time.perf_counter() for r in stub.Generate(req) for _ in r.token_ids]
+            if len(times) != n:
+                raise RuntimeError(f"{len(times)} of {n} tokens came back")
+            return times
+        one([1, 2, 3, 4], 4)
+        times = one([rng.randrange(100, vocab) for _ in range(16)], 48)
+        out["decode_tok_s_1"] = round(47 / (times[-1] - times[0]), 2)
+        prompts = [[rng.randrange(100, vocab) for _ in range(16)] for _ in range(32)]
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            out["decode_tok_s_32"] = _decode_rate(
+                lambda k: list(pool.map(lambda ids: one(ids, k), prompts)), 32, 24)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    return out
+
+
 def vs_llamacpp(plan_dir: str, gguf: str, bin_dir: str, batched_bin: str | None,
-                threads: int, rounds: int, ntg: int) -> dict:
+                threads: int, rounds: int, ntg: int, served: bool = False) -> dict:
     """Alternating rounds, one system at a time: llama.cpp's llama-bench (tg, one stream) and
     llama-batched-bench (32 sequences) on `gguf`, then `decode` on the plan in a process of its
     own; the ratios of the medians."""
@@ -253,8 +311,8 @@ def vs_llamacpp(plan_dir: str, gguf: str, bin_dir: str, batched_bin: str | None,
         runs["llama.cpp"].append(llamacpp_round(Path(bin_dir), Path(gguf), threads, ntg,
                                                 Path(batched_bin) if batched_bin else None))
         out = subprocess.run([sys.executable, "-m", "bench.scale", "decode", "--plan", plan_dir,
-                              "--threads", str(threads)], capture_output=True, text=True,
-                             check=True).stdout
+                              "--threads", str(threads)] + ["--served"] * served,
+                             capture_output=True, text=True, check=True).stdout
         runs["kiln"].append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps({"llama.cpp": runs["llama.cpp"][-1], "kiln": runs["kiln"][-1]}),
               flush=True)
@@ -268,10 +326,74 @@ def vs_llamacpp(plan_dir: str, gguf: str, bin_dir: str, batched_bin: str | None,
             "ratio": {"1": round(k1 / l1, 2), "32": round(k32 / l32, 2)}}
 
 
+PRECISIONS = {   # pipeline: Kiln's precision and llama.cpp's quantization of the same weights
+    "w4a8": ("{weights: int4, activations: int8, kv_cache: int8, keep_high_precision: []}",
+             "Q4_1"),
+    "w8a8": ("{weights: int8, activations: int8, kv_cache: int8, keep_high_precision: []}",
+             "Q8_0"),
+}
+
+
+def pipeline(a) -> dict:
+    """make -> spec -> kiln build -> llama.cpp's convert_hf_to_gguf.py + llama-quantize on the
+    same checkpoint -> vs-llamacpp; each product kept under --dir and reused when present."""
+    import os
+    import shutil
+    import subprocess
+
+    kiln_precision, quant = PRECISIONS[a.precision]
+    ckpt = make(a.shape, a.dir, a.seed)
+    name = f"llama-{a.shape}-random-{a.precision}"
+    spec = a.dir / "specs" / f"{name}.yaml"
+    spec.parent.mkdir(parents=True, exist_ok=True)
+    extra = f", eval_tokens: {a.tokens}" if a.eval_tokens else ""
+    # random weights: their perplexity is near the vocabulary's size, and 3% of it is noise
+    spec.write_text(f"name: {name}\nmodel: {{source: {ckpt}}}\n"
+                    "target: {device: cpu, backend: aoti}\n"
+                    f"precision: {kiln_precision}\n"
+                    "limits: {max_batch_size: 32, max_seq_len: 2048, max_num_tokens: 512}\n"
+                    "kv_cache: {tokens_per_block: 16, memory: 1GiB}\n"
+                    f"accuracy: {{max_ppl_increase: 0.10{extra}}}\n")
+    plan = a.dir / "plans" / name
+    kiln = shutil.which("kiln", path=str(Path(sys.executable).parent)) or "kiln"
+    subprocess.run([kiln, "build", str(spec), "--out", str(plan)], check=True)
+    gguf = a.dir / "gguf" / f"llama-{a.shape}-seed{a.seed}-{quant}.gguf"
+    if not gguf.is_file():
+        if not a.convert:
+            raise SystemExit(f"{gguf} is missing: pass --convert PYTHON SCRIPT (a python with "
+                             "llama.cpp's converter requirements, and convert_hf_to_gguf.py)")
+        conv = a.dir / "gguf" / f"conv-{a.shape}"   # the checkpoint, linked, with a tokenizer
+        conv.mkdir(parents=True, exist_ok=True)       # the converter knows (its vocab's hash)
+        for f in ckpt.iterdir():
+            if f.name != "tokenizer.json" and not (conv / f.name).exists():
+                os.symlink(f, conv / f.name)
+        shutil.copy(a.tokenizer, conv / "tokenizer.json")
+        (conv / "tokenizer_config.json").write_text(
+            '{"tokenizer_class": "PreTrainedTokenizerFast"}')
+        bf16 = gguf.with_name(f"llama-{a.shape}-seed{a.seed}-bf16.gguf")
+        subprocess.run([*a.convert, str(conv), "--outtype", "bf16", "--outfile", str(bf16)],
+                       check=True)
+        subprocess.run([str(Path(a.bin) / "llama-quantize"), str(bf16), str(gguf) + ".part",
+                        quant], check=True, stdout=subprocess.DEVNULL)
+        os.replace(str(gguf) + ".part", gguf)
+        bf16.unlink()
+    return vs_llamacpp(str(plan), str(gguf), a.bin, a.batched_bin, a.threads, a.rounds, a.ntg,
+                       a.served)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["make", "load", "reference", "plan-load", "decode",
-                                        "vs-llamacpp"])
+                                        "vs-llamacpp", "pipeline"])
+    ap.add_argument("--precision", choices=sorted(PRECISIONS), default="w4a8",
+                    help="pipeline: W4A8 against Q4_1, or W8A8 against Q8_0")
+    ap.add_argument("--convert", nargs=2, metavar=("PYTHON", "SCRIPT"), help="pipeline: "
+                    "llama.cpp's convert_hf_to_gguf.py and a python that runs it")
+    ap.add_argument("--tokenizer", default="plans/smollm2-135m-cpu/tokenizer.json",
+                    help="pipeline: a tokenizer.json the converter knows (the default "
+                    "plan's), written beside the weights for the conversion only")
+    ap.add_argument("--eval-tokens", action="store_true", help="pipeline: the gate on "
+                    "--tokens evaluation tokens (default: by model size)")
     ap.add_argument("--gguf", help="vs-llamacpp: llama.cpp's model (the same weights)")
     ap.add_argument("--bin", default="/tmp/llamacpp/llama-build/bin",
                     help="vs-llamacpp: llama.cpp's tools (../shared/peers/llamacpp-tools.sh)")
@@ -281,6 +403,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ntg", type=int, default=32, help="vs-llamacpp: llama.cpp's tokens")
     ap.add_argument("--plan", help="plan-load, decode: the plan directory")
     ap.add_argument("--threads", type=int, default=2, help="decode: compute threads")
+    ap.add_argument("--served", action="store_true", help="decode, vs-llamacpp, pipeline: Kiln "
+                    "through `kiln serve` (the native gRPC API), not the engine in-process")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     ap.add_argument("--seed", type=int, default=0)
@@ -302,9 +426,12 @@ def main(argv=None) -> int:
         print(json.dumps(reference(a.shape, a.dir, a.how or "layerwise", a.tokens)))
     elif a.command == "vs-llamacpp":
         print(json.dumps(vs_llamacpp(a.plan, a.gguf, a.bin, a.batched_bin, a.threads, a.rounds,
-                                     a.ntg)))
+                                     a.ntg, a.served)))
+    elif a.command == "pipeline":
+        print(json.dumps(pipeline(a)))
     elif a.command == "decode":
-        print(json.dumps(decode(a.plan, a.threads)))
+        print(json.dumps(served_decode(a.plan, a.threads) if a.served
+                         else decode(a.plan, a.threads)))
     else:
         print(json.dumps(plan_load(a.plan)))
     return 0

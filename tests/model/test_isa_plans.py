@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,18 +59,22 @@ torch.save({"logits": torch.cat(logits), "greedy": out}, sys.argv[2])
 
 @pytest.fixture(scope="module")
 def isa_plans(tmp_path_factory) -> dict[str, Path]:
+    """The plans, built two at a time: a build is half single-threaded (export, Inductor's
+    lowering, one compiler process), and each level compiles its own kernel libraries."""
     specs = tmp_path_factory.mktemp("isa-specs")
-    plans = {}
-    for level in LEVELS:
+
+    def build(level: str) -> Path:
         data = tiny_spec(f"tiny-int8-{level}", {"weights": "int8", "keep_high_precision": []})
         data["target"]["isa"] = level
         out = TEST_PLANS / f"tiny-int8-isa-{level}"
         r = subprocess.run([sys.executable, "-m", "kiln.cli", "build",
                             str(write_spec(specs, data)), "--out", str(out)],
                            capture_output=True, text=True, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
-        plans[level] = out
-    return plans
+        assert r.returncode == 0, f"{level}: {r.stderr[-3000:]}"
+        return out
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(LEVELS, pool.map(build, LEVELS)))
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +164,9 @@ def alone(x, q, b):   # each row of x through the W8A8 / W4A8 op by itself
 # layers: a row's result must be bit for bit the one it gets alone, on every path (AMX tiles
 # from 4 / 32 rows, VNNI tiles of 1-4 rows).
 # (17, 48, 128), (40, 96, 576): the amx level's tiles (the batched int8 GEMM, W4A8 from 32
-# rows: whole tiles of 16, the rest on VNNI) with tails of x rows and weight rows; (36, 32,
-# 96): an odd number of W4A8 groups; K = 200 and 96 are not whole int8 tiles (_int_mm)
+# rows and int4_rows16 from 16: whole tiles of 16, the rest on VNNI) with tails of x rows
+# and weight rows; (36, 32, 96): an odd number of W4A8 groups; K = 200 and 96 are not whole
+# int8 tiles (_int_mm)
 for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96),
                 (17, 48, 128), (40, 96, 576), (36, 32, 96)]:
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
@@ -194,6 +200,8 @@ for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7,
             excess = ((out - ref).abs().double() - rows16_digits_bound(rows, q)
                       - 2e-5 * ref.abs().max())
             assert (excess <= 0).all(), ("rows16", m, n, k)
+            assert torch.equal(out, torch.cat([ops.quant_linear(rows[i:i + 1], q, b)
+                                               for i in range(m)])), ("rows16 invariance", m, n, k)
 print("ok")
 """
 

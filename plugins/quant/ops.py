@@ -17,7 +17,7 @@ what quant_linear() calls on CUDA; "-": none, CUDA runs F.linear or the referenc
 Shared C++ headers: dequant_gemv.h (the decode-then-multiply GEMV and tile paths of the
 float and weight-only linears), int8_dot.h and int8_gemm.h (integer dot products and GEMM:
 W8A8 and the weight-only int8/int4 digits), int4_a8_blocks.h (the int4_a8 format's blocks:
-W4A8 and rows16).
+W4A8 and rows16) with int4_a8_amx.h (their AMX tiles).
 
     kiln::linear_int8(x, qweight int8 [N,K], scales [N], bias?)                -> [M, N]
     kiln::linear_int4(x, qweight uint8 [N,K/2], scales [N,K/G], zeros [N,K/G], G, bias?)

@@ -15,7 +15,8 @@
 // per call in VNNI order (per 16 rows of x and 64 k: 16 rows of (16 x-rows x 4 k) bytes; rows
 // of x past M are zeros). Each task takes 32 weight rows (2 A tiles) against 32 rows of x at a
 // time (2 B tiles, in L1 after the first task), accumulating 4 C tiles of 16 x 16 int32 over
-// K; each C tile (weight rows x x-rows) is stored transposed into acc. Weights are read from
+// K; each C tile (weight rows x x-rows) is stored transposed into acc (or through the caller's
+// store: W8A8 scales it into its float output there). Weights are read from
 // memory once per call whatever M is.
 #pragma once
 
@@ -90,11 +91,11 @@ inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K) {
   return b;
 }
 
-// acc[m0 + j, n0 + i] = C[i][j] for the first cols_m columns of one C tile (stored to buf):
-// a 16 x 16 transpose of int32 in registers (32-bit, then 64-bit interleaves within 128-bit
-// lanes, then two rounds of 128-bit lane shuffles), each column then one 64-byte store.
-inline void store_transposed(const int32_t* buf, int64_t n0, int64_t m0, int64_t cols_m,
-                             int32_t* acc, int64_t N) {
+// Column j < cols_m of one C tile (stored to buf: C[i][j] at buf[16 i + j]) as one vector of
+// its 16 rows, handed to emit(j, column): a 16 x 16 transpose of int32 in registers (32-bit,
+// then 64-bit interleaves within 128-bit lanes, then two rounds of 128-bit lane shuffles).
+template <class Emit>
+inline void transpose_tile(const int32_t* buf, int64_t cols_m, Emit&& emit) {
   __m512i a[16], b[16], c[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_load_si512(buf + i * 16);
   for (int k = 0; k < 8; ++k) {
@@ -116,10 +117,22 @@ inline void store_transposed(const int32_t* buf, int64_t n0, int64_t m0, int64_t
                             _mm512_shuffle_i32x4(d1, d3, 0x88), _mm512_shuffle_i32x4(d1, d3, 0xDD)};
     for (int L = 0; L < 4; ++L) {
       const int64_t j = 4 * L + q;
-      if (j < cols_m) _mm512_storeu_si512(acc + (m0 + j) * N + n0, col[L]);
+      if (j < cols_m) emit(j, col[L]);
     }
   }
 }
+
+// acc[m0 + j, n0 + i] = C[i][j] for the first cols_m columns of one C tile: the tiles' store
+// where the caller takes the int32 sums (or bf16's float32 bits) as they are.
+struct StoreAcc {
+  int32_t* acc;
+  int64_t N;
+  void operator()(const int32_t* buf, int64_t n0, int64_t m0, int64_t cols_m) const {
+    transpose_tile(buf, cols_m, [&](int64_t j, __m512i col) {
+      _mm512_storeu_si512(acc + (m0 + j) * N + n0, col);
+    });
+  }
+};
 
 // One tile product C += A B: int8 (4 k a dword, int32 sums) or, with kBf16, bf16 (2 k a
 // dword, float32 sums: bf16_gemm.h), whose tiles are laid out alike in bytes.
@@ -137,9 +150,9 @@ inline void store_transposed(const int32_t* buf, int64_t n0, int64_t m0, int64_t
 
 // 32 weight rows [n0, n0 + 32) (both A tiles valid) against every block pair of x. K counts
 // bytes of a row (int8: its elements; bf16: twice them); acc takes the C tiles' 32-bit words.
-template <bool kBf16 = false>
+template <bool kBf16 = false, class Store = StoreAcc>
 inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
-                       int32_t* acc, int64_t N) {
+                       const Store& store) {
   const int64_t kchunks = K / 64, mblocks = (M + 15) / 16;
   alignas(64) int32_t buf[4][256];
   for (int64_t mb = 0; mb < mblocks; mb += 2) {
@@ -175,24 +188,25 @@ inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, 
     _tile_stored(2, buf[2], 64);
     _tile_stored(3, buf[3], 64);
     const int64_t m0 = mb * 16, cols0 = std::min<int64_t>(16, M - m0);
-    store_transposed(buf[0], n0, m0, cols0, acc, N);
-    store_transposed(buf[2], n0 + 16, m0, cols0, acc, N);
+    store(buf[0], n0, m0, cols0);
+    store(buf[2], n0 + 16, m0, cols0);
     if (two) {
       const int64_t cols1 = std::min<int64_t>(16, M - m0 - 16);
-      store_transposed(buf[1], n0, m0 + 16, cols1, acc, N);
-      store_transposed(buf[3], n0 + 16, m0 + 16, cols1, acc, N);
+      store(buf[1], n0, m0 + 16, cols1);
+      store(buf[3], n0 + 16, m0 + 16, cols1);
     }
   }
 }
 
 // Every whole block of 32 weight rows (N / 32 of them) against x's B tiles, spread over the
 // engine's threads, each with the tile configuration loaded for its chunks.
-template <bool kBf16 = false>
+// Each C tile goes to store(buf, n0, m0, cols_m) (StoreAcc: into acc [M, N] as it is).
+template <bool kBf16 = false, class Store = StoreAcc>
 inline void amx_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t M,
-                           int32_t* acc, int64_t N) {
+                           int64_t N, const Store& store) {
   kiln::parallel_chunks(N / 32, 4, [&](int64_t i0, int64_t i1) {
     _tile_loadconfig(&tile_config());
-    for (int64_t i = i0; i < i1; ++i) amx_rows32<kBf16>(w, i * 32, K, b, M, acc, N);
+    for (int64_t i = i0; i < i1; ++i) amx_rows32<kBf16>(w, i * 32, K, b, M, store);
     _tile_release();
   });
 }
@@ -224,7 +238,7 @@ inline at::Tensor int8_gemm(const int8_t* x, int64_t M, const int8_t* w, int64_t
     at::Tensor out = at::empty({M, N}, at::TensorOptions().dtype(at::kInt));
     int32_t* acc = out.data_ptr<int32_t>();
     const std::vector<int8_t> b = pack_b(x, M, K);
-    amx_row_blocks(w, K, b.data(), M, acc, N);
+    amx_row_blocks(w, K, b.data(), M, N, StoreAcc{acc, N});
     scalar_rows(w, N / 32 * 32, N, K, x, M, acc, N);
     return out;
   }

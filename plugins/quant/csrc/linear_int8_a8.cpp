@@ -6,7 +6,7 @@
 //
 // The integer dot products: int8_dot.h (VNNI vpdpbusd / AVX2 vpmaddubsw / scalar).
 // From kIntMmMinM rows of x on, the integer GEMM is int8_gemm.h's: AMX tiles at the amx
-// level, else ATen's _int_mm (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the
+// level (each C tile scaled into y as it is stored: StoreScaled), else ATen's _int_mm (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the
 // machine it runs on): measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
 // M=1 this kernel 17 us vs 83 us; M=4 48 vs 41; M=32 244 vs 86
 // (bench/results/w8a8_vs_libraries.log). All give the same integers.
@@ -17,6 +17,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <cmath>
 
 #include "int8_dot.h"
 #include "int8_gemm.h"
@@ -42,6 +44,28 @@ using namespace kiln_int8;
 constexpr int64_t kIntMmMinM = 4;
 #else
 constexpr int64_t kIntMmMinM = INT64_MAX;   // no fast int8 GEMM in oneDNN at this level
+#endif
+
+#if KILN_INT8_GEMM_AMX
+// The tiles' store for W8A8: each C tile's columns (a row of x, 16 weight rows) scaled into
+// y as they leave the tile, y = float(acc) * (sx[m] * sw[n]) + bias[n] with one rounding
+// after the product of the scales (an FMA), the expression the other paths' loops compile to,
+// so a row's bits do not depend on the path its batch takes.
+struct StoreScaled {
+  float* y;
+  int64_t N;
+  const float *sx, *sw, *b;
+  void operator()(const int32_t* buf, int64_t n0, int64_t m0, int64_t cols_m) const {
+    const __m512 w = _mm512_loadu_ps(sw + n0);
+    const __m512 bias = b ? _mm512_loadu_ps(b + n0) : _mm512_setzero_ps();
+    transpose_tile(buf, cols_m, [&](int64_t j, __m512i col) {
+      const int64_t m = m0 + j;
+      _mm512_storeu_ps(y + m * N + n0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(col),
+                                                       _mm512_mul_ps(_mm512_set1_ps(sx[m]), w),
+                                                       bias));
+    });
+  }
+};
 #endif
 
 at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
@@ -72,6 +96,19 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
 
+#if KILN_INT8_GEMM_AMX
+  if (M >= kIntMmMinM && int8_gemm_on_tiles(M, N, K)) {
+    // scaled as the tiles are stored: no int32 [M, N] and no second pass over it
+    const std::vector<int8_t> bt = pack_b(qx.q.data(), M, K);
+    const int8_t* w = qweight.data_ptr<int8_t>();
+    amx_row_blocks(w, K, bt.data(), M, N, StoreScaled{y, N, sx, sw, b});
+    for (int64_t m = 0; m < M; ++m)   // the last N % 32 weight rows (at most 31)
+      for (int64_t n = N / 32 * 32; n < N; ++n)
+        y[m * N + n] = std::fma(float(dot_scalar(qx.q.data() + m * K, w + n * K, 0, K)),
+                                sx[m] * sw[n], b ? b[n] : 0.f);   // StoreScaled's FMA
+    return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
+  }
+#endif
   if (M >= kIntMmMinM && K >= 8 && N >= 8) {   // a [N, 1] or [1, K] weight's transpose has
                                                // strides oneDNN misreads (garbage, no error)
     const at::Tensor acc = int8_gemm(qx.q.data(), M, qweight.data_ptr<int8_t>(), N, K);

@@ -49,7 +49,8 @@ SERVED = "smollm2-135m"
 KILN_PLANS = {"fp32": "plans/smollm2-135m-cpu", "bf16": "plans/smollm2-135m-bf16-cpu",
               "int8": "plans/smollm2-135m-int8-cpu",
               "int4": "plans/smollm2-135m-int4-cpu",
-              "w4a8": "plans/smollm2-135m-throughput-cpu"}
+              "w4a8": "plans/smollm2-135m-throughput-cpu",
+              "w8a8": "plans/smollm2-135m-w8a8-cpu"}
 # OpenVINO systems: (IR directory, INFERENCE_PRECISION_HINT). Its CPU plugin computes an fp32
 # IR in bf16 by default where the CPU has AMX or AVX-512 BF16, so the matched fp32 system
 # asks for f32 and its bf16 system is the fp32 IR at bf16; the int8 / int4 IRs (weights
@@ -344,6 +345,9 @@ def main() -> None:
               "load_avg_start": os.getloadavg()}
     kilns = [f"kiln-{p}" for p in args.kiln]
     pairs = [(f"kiln-{p}", f"{peer}-{p}") for p in OV_FORMATS for peer in ("vllm", "ov")]
+    # int8 weights on both sides: OpenVINO's int8 IR computes its activations in bf16, W8A8
+    # quantizes them to int8 per token (its own accuracy gate passed at build)
+    pairs += [("kiln-w8a8", "ov-int8")]
     if "server" in args.mode:
         levels = [str(c) for c in args.concurrency]
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,4 +1,6 @@
 """Spec validation: every error names the YAML path, the bad value and what is allowed."""
+from pathlib import Path
+
 import pytest
 
 from kiln.builder.arch.config import UnsupportedConfig
@@ -200,3 +202,11 @@ def test_gguf_sliding_window_on_every_layer_or_refused():
     for arch in ("qwen2", "qwen3"):
         with pytest.raises(UnsupportedConfig, match=f"{arch}.attention.sliding_window"):
             gguf_window({"general.architecture": arch, f"{arch}.attention.sliding_window": 64})
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[2] / "model_specs")
+                                        .glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_spec_is_valid(path):
+    """What `model_specs/` ships parses (no build: the e2e tier and benchmarks build them)."""
+    spec = load_spec(path)
+    assert spec.name == path.stem

@@ -79,6 +79,35 @@ def wait_http(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise RuntimeError("server did not become ready")
 
 
+def hf_dir() -> Path:
+    """The HF directory vLLM serves and `vllm bench serve` tokenizes with: the converted
+    SmolLM2 directory, linked, with a tokenizer_config.json naming the fast tokenizer of its
+    tokenizer.json. The conversion's own config names CodeLlamaTokenizer (and <|im_start|> as
+    EOS), with which recent transformers decode byte-level tokens to text that keeps their
+    "Ġ": a 128-token random prompt came back as about 360 tokens of Kiln's tokenizer and 140
+    of vLLM's, so the two servers were given different work. Checked: a random prompt of 128
+    ids decodes to text that encodes to 128 +- 8 tokens again."""
+    src, dst = MODELS / "smollm2-135m-hf", MODELS / "smollm2-135m-hf-fast"
+    dst.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "tokenizer_config.json" and not (dst / f.name).exists():
+            os.symlink(f, dst / f.name)
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "clean_up_tokenization_spaces": False, "model_max_length": 2048}))
+    check = ("import random, sys; from transformers import AutoTokenizer; "
+             "t = AutoTokenizer.from_pretrained(sys.argv[1]); r = random.Random(0); "
+             "ids = [r.randrange(1000, 48000) for _ in range(128)]; "
+             "print(len(t.encode(t.decode(ids), add_special_tokens=False)))")
+    n = int(subprocess.run([str(VLLM_VENV / "bin" / "python"), "-c", check, str(dst)],
+                           capture_output=True, text=True, check=True).stdout.split()[-1])
+    if abs(n - 128) > 8:
+        raise SystemExit(f"{dst}: 128 random token ids round-trip to {n} tokens: the servers "
+                         "would not be given the prompts asked for")
+    return dst
+
+
 def vllm_env(threads: int) -> dict:
     preload = [p for p in (TCMALLOC, str(VLLM_VENV / "lib" / "libiomp5.so")) if Path(p).exists()]
     return {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -95,7 +124,7 @@ def start_server(system: str, threads: int, log: Path) -> tuple[subprocess.Popen
 
     port = free_port()
     if system.startswith("vllm-"):
-        cmd = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(MODELS / "smollm2-135m-hf"),
+        cmd = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(hf_dir()),
                "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", VLLM_DTYPES[system.split("-", 1)[1]], "--max-model-len", "2048",
                "--max-num-seqs", "32"]
@@ -135,7 +164,7 @@ def bench_serve(port: int, concurrency: int, prompts: int, args, out: Path) -> d
     """One `vllm bench serve` run against the server on `port` -> the measured numbers."""
     cmd = [str(VLLM_VENV / "bin" / "vllm"), "bench", "serve", "--backend", "openai",
            "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
-           "--model", SERVED, "--tokenizer", str(MODELS / "smollm2-135m-hf"),
+           "--model", SERVED, "--tokenizer", str(hf_dir()),
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
            "--random-output-len", str(args.output_len), "--random-range-ratio", "0",
            "--num-prompts", str(prompts), "--max-concurrency", str(concurrency),
@@ -161,6 +190,9 @@ def server_round(system: str, args, work: Path) -> dict:
     proc, port = start_server(system, args.threads, work / f"{system}.log")
     try:
         res = {}
+        # one request first, not counted: what a server that has answered one costs (Kiln's
+        # first step after the load pays its allocator's growth; vLLM warms up before /health)
+        bench_serve(port, 1, 1, args, work / f"{system}-warmup.json")
         for c in args.concurrency:
             n = max(args.min_prompts, args.prompts_per_stream * c)
             res[str(c)] = bench_serve(port, c, n, args, work / f"{system}-c{c}.json")

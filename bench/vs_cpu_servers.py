@@ -29,6 +29,7 @@ INFERENCE_NUM_THREADS=N, Kiln --threads N.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -79,6 +80,7 @@ def wait_http(port: int, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise RuntimeError("server did not become ready")
 
 
+@functools.cache
 def hf_dir() -> Path:
     """The HF directory vLLM serves and `vllm bench serve` tokenizes with: the converted
     SmolLM2 directory, linked, with a tokenizer_config.json naming the fast tokenizer of its
@@ -86,7 +88,7 @@ def hf_dir() -> Path:
     EOS), with which recent transformers decode byte-level tokens to text that keeps their
     "Ġ": a 128-token random prompt came back as about 360 tokens of Kiln's tokenizer and 140
     of vLLM's, so the two servers were given different work. Checked: a random prompt of 128
-    ids decodes to text that encodes to 128 +- 8 tokens again."""
+    ids decodes to text that encodes to 128 +- 8 tokens again. Made and checked once a run."""
     src, dst = MODELS / "smollm2-135m-hf", MODELS / "smollm2-135m-hf-fast"
     dst.mkdir(exist_ok=True)
     for f in src.iterdir():

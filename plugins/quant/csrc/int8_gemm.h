@@ -149,7 +149,7 @@ struct StoreAcc {
 #endif
 
 // 32 weight rows [n0, n0 + 32) (both A tiles valid) against every block pair of x. K counts
-// bytes of a row (int8: its elements; bf16: twice them); acc takes the C tiles' 32-bit words.
+// bytes of a row (int8: its elements; bf16: twice them); store takes each C tile.
 template <bool kBf16 = false, class Store = StoreAcc>
 inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
                        const Store& store) {
@@ -204,10 +204,10 @@ inline void amx_rows32(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, 
 template <bool kBf16 = false, class Store = StoreAcc>
 inline void amx_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t M,
                            int64_t N, const Store& store) {
-  // chunks of one block where there are few (wo and w2 of SmolLM2: 18 blocks, where chunks
-  // of 4 left one thread 10 blocks and the other 8), at least 8 a thread
+  // at least 8 chunks a thread, down to one block where there are few (wo and w2 of SmolLM2:
+  // 18 blocks, where chunks of 4 left one thread 10 blocks and the other 8); no byte bound
   const int64_t blocks = N / 32;
-  const int64_t chunk = std::max<int64_t>(1, blocks / (8 * std::max(1, at::get_num_threads())));
+  const int64_t chunk = kiln::chunk_items(blocks, 1, blocks, 8);
   kiln::parallel_chunks(blocks, chunk, [&](int64_t i0, int64_t i1) {
     _tile_loadconfig(&tile_config());
     for (int64_t i = i0; i < i1; ++i) amx_rows32<kBf16>(w, i * 32, K, b, M, store);

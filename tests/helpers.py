@@ -275,23 +275,23 @@ def rows16_digits_bound(x, qw) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_bf16_tiles(lib: Path) -> bool:
+def _computes_bf16(lib: Path) -> bool:
     from kiln.plugins import cpp_build
 
-    return "amx-bf16 tiles" in cpp_build.kernel_path(lib)
+    return "bf16 from 8 rows" in cpp_build.kernel_path(lib)
 
 
 def reference_input(x, w, scheme: str, lib=None):
     """The x a quant linear's reference takes for kiln's kernel of a library (default: this
-    host's): bf16-rounded where kiln::linear_bf16 runs x @ w.T on AMX-BF16 tiles
-    (plugins/quant/csrc/bf16_gemm.h: a float32 batch of 8+ rows, N >= 32, K a multiple of 32),
-    else x itself."""
+    host's): bf16-rounded where kiln::linear_bf16 computes x @ w.T in bf16, on AMX-BF16 tiles
+    or AVX-512 BF16 dot products (plugins/quant/csrc/bf16_gemm.h, bf16_dot.h: a float32 batch
+    of 8+ rows, K >= 32), else x itself."""
     from kiln.plugins.quant import kernels
 
-    (m, k), n = x.shape, w.shape[0]
-    tiles = (scheme == "bf16" and x.dtype == torch.float32 and m >= 8 and n >= 32
-             and k % 32 == 0 and _has_bf16_tiles(Path(lib or kernels.build())))
-    return x.bfloat16().float() if tiles else x
+    m, k = x.shape
+    rounds = (scheme == "bf16" and x.dtype == torch.float32 and m >= 8 and k >= 32
+              and _computes_bf16(Path(lib or kernels.build())))
+    return x.bfloat16().float() if rounds else x
 
 
 def check_quant_linear(linear, x, w, scheme, gs, bias=None) -> None:

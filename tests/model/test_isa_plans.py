@@ -219,6 +219,7 @@ def test_quant_kernels_match_references_at_every_level(level):
     assert want in path and want.replace("w8a8", "w4a8") in path, path
     assert ("amx tiles" in path) == (level == "amx"), path   # AMX code at that level only
     assert ("amx-bf16 tiles" in path) == (level == "amx"), path
+    assert ("bf16 from 8 rows" in path) == (level in ("avx512_bf16", "amx")), path
 
 
 ATTENTION = r"""

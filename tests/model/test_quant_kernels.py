@@ -73,6 +73,19 @@ def test_kernel_matches_reference_lm_head(m, scheme, gs):
            scheme, gs)
 
 
+@pytest.mark.parametrize("n,k", [(37, 576), (64, 1536), (130, 100)])
+def test_bf16_kernel_at_prefill_rows_is_batch_invariant(n, k):
+    """A prefill's rows (past a panel of x: 224 rows at K = 576) match the reference, and a row
+    of 8+ gets the same bits whichever batch of 8+ rows it is computed in."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    _check(x, w, "bf16", None, bias=b)
+    qw = formats.quantize(w, "bf16")
+    out = ops.quant_linear(x, qw, b)
+    parts = torch.cat([ops.quant_linear(x[i:i + 9], qw, b) for i in range(0, 297, 9)])
+    assert torch.equal(out[:297], parts)
+
+
 def test_kernel_adversarial_weights():
     w = torch.randn(64, 256) * 0.05
     w[0] = 0

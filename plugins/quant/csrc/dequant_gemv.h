@@ -26,22 +26,28 @@
 #include "../../csrc/prefetch.h"
 #include "int8_dot.h"   // before the path macros below: they read KILN_INT8_DOT_VNNI
 #include "bf16_gemm.h"   // and int8_gemm.h
+#include "bf16_dot.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KILN_QUANT_AVX2 1
-#if KILN_INT8_GEMM_AMX
+// "bf16 from 8 rows": kiln::linear_bf16 rounds x to bf16 from 8 rows (builder/compile.py and
+// the tests read this phrase)
 #if KILN_BF16_GEMM_AMX
 #define KILN_QUANT_BF16_PATH ", bf16 from 8 rows on amx-bf16 tiles"
+#elif KILN_BF16_DOT
+#define KILN_QUANT_BF16_PATH ", bf16 from 8 rows on avx512-bf16 vdpbf16ps"
 #else
 #define KILN_QUANT_BF16_PATH ""
 #endif
+#if KILN_INT8_GEMM_AMX
 #define KILN_QUANT_PATH                                                                     \
   "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits, int8 from " \
   "8 rows on amx tiles" KILN_QUANT_BF16_PATH
 #elif KILN_INT8_DOT_VNNI
-#define KILN_QUANT_PATH \
-  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits"
+#define KILN_QUANT_PATH                                                                   \
+  "avx2: 256-bit AVX2/FMA/F16C decoders, int8/int4 decode on avx512-vnni digits" \
+  KILN_QUANT_BF16_PATH
 #else
 #define KILN_QUANT_PATH "avx2: 256-bit AVX2/FMA/F16C decoders"
 #endif

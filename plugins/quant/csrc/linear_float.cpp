@@ -3,6 +3,7 @@
 // the references once this library is loaded. Their GEMV and tile paths: dequant_gemv.h.
 #include <torch/library.h>
 
+#include "bf16_dot.h"
 #include "dequant_gemv.h"
 #include "gemm_f32_dot.h"
 
@@ -105,6 +106,15 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
     Prepared p = prepare(x, N, K, bias, op);
     kiln_bf16::bf16_gemm(p.x, d.q, N, K, p.bias.defined() ? p.bias.data_ptr<float>() : nullptr,
                          p.out.data_ptr<float>());
+    return p.result(x);
+  }
+#endif
+#if KILN_BF16_DOT
+  // without the tiles: the same rows in bf16 on vdpbf16ps (bf16_dot.h)
+  if (x.dim() == 2 && x.size(0) >= kTileMinM && K >= 32) {
+    Prepared p = prepare(x, N, K, bias, op);
+    kiln_bf16::bf16_dot_gemm(p.x, d.q, N, K, p.bias.defined() ? p.bias.data_ptr<float>() : nullptr,
+                             p.out.data_ptr<float>());
     return p.result(x);
   }
 #endif

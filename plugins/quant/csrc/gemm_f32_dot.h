@@ -13,23 +13,52 @@
 // whichever tile or number of rows (from kDotMinM) the row is computed in -- a row's output
 // does not depend on the batch.
 //
-// AVX2 builds only: faster than MKL's sgemm on the AMD EPYC AVX2 host (bench/linear_fp32_dot.py,
-// docs/PERFORMANCE.md), but on an Intel Xeon with AVX-512 (AMX; quiet, 2 threads, 32 rows)
-// MKL took 0.69-0.87 of its time, with 512-bit vectors in 2 x 12 tiles as with these, so
-// AVX-512 builds and builds without AVX2 keep BLAS (linear_float.cpp).
+// Where it runs (f32_dot_runs): AVX2 builds, faster than MKL's sgemm on the AMD EPYC AVX2 host
+// (bench/linear_fp32_dot.py, docs/PERFORMANCE.md); and AVX-512 builds on CPUs other than
+// Intel's, where MKL takes its AVX2 code and threads small M poorly: a decode step's linears
+// (30 SmolLM2 layers, 2 threads, AMD Zen 4) 2.73x / 1.76x / 1.40x faster than MKL at 8 / 32 /
+// 64 rows (bench/kernel_levels.py). On an Intel Xeon with AVX-512 (AMX; quiet, 2 threads, 32
+// rows) MKL took 0.69-0.87 of its time, with 512-bit vectors in 2 x 12 tiles as with these,
+// so there AVX-512 builds keep BLAS (linear_float.cpp), as do builds without AVX2.
 #pragma once
 
+#include <cstring>
 #include <vector>
 
 #include "dequant_gemv.h"
+
+#if KILN_QUANT_AVX2
+#include <cpuid.h>
+#endif
 
 namespace kiln_gemv {
 
 constexpr int64_t kDotMinM = kTileMinM;
 constexpr int64_t kDotMaxM = 64;
 
-#if KILN_QUANT_AVX2 && !defined(__AVX512F__)
+#if KILN_QUANT_AVX2
 #define KILN_F32_DOT 1
+// Whether this CPU is Intel's (CPUID leaf 0's vendor string): MKL's own kernels are there.
+inline bool cpu_is_intel() {
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return std::strcmp(vendor, "GenuineIntel") == 0;
+  }();
+  return intel;
+}
+
+inline bool f32_dot_runs() {
+#if defined(__AVX512F__)
+  return !cpu_is_intel();
+#else
+  return true;
+#endif
+}
 constexpr int64_t kDotGroup = 12;   // weight rows a thread takes at a time
 using dvec = __m256;                // 16 registers: tiles of 2 x 6 or 1 x 12 accumulators
 constexpr int kDotL = 8;

@@ -58,10 +58,31 @@ struct F32Dec {
 // out^T = W x^T, the weight the tall left operand: MKL's sgemm is about twice as fast that way
 // round on SmolLM2's 32 x 576 @ 576 x 49152 (AMD AVX2, 2 threads; docs/PERFORMANCE.md), and
 // gives the same bits at 16 and 32 rows. The transposed copy of out is M x N floats.
-// AVX2 builds take 8-64 rows to gemm_f32_dot.h's kernel instead (faster there, and a row's
-// bits do not depend on the batch); this path serves AVX-512 builds and builds without AVX2.
+// Where gemm_f32_dot.h's kernel runs (AVX2 builds; AVX-512 builds off Intel CPUs) it takes
+// 8-64 rows instead (faster there, and a row's bits do not depend on the batch).
 constexpr int64_t kTallMinN = 16384;
 constexpr int64_t kTallMaxM = 64;
+
+// Off Intel CPUs MKL's sgemm gains little from a second thread at a prefill's shapes (AMD Zen 4,
+// 512 x 576 @ 576 x 1536: 83 GFLOPS on one thread, 86 on two): there the weight rows go to the
+// threads in chunks of kBlasChunk, one single-threaded sgemm each (a fixed split: a row's bits
+// do not depend on the thread count).
+constexpr int64_t kBlasChunk = 64;
+
+void blas_in_chunks(const Prepared& p, const at::Tensor& weight) {
+  const int64_t N = weight.size(0);
+  kiln::parallel_chunks((N + kBlasChunk - 1) / kBlasChunk, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * kBlasChunk, nt = std::min(kBlasChunk, N - n0);
+      at::Tensor o = p.out.narrow(1, n0, nt);
+      const at::Tensor wt = weight.narrow(0, n0, nt).t();
+      if (p.bias.defined())
+        at::addmm_out(o, p.bias.narrow(0, n0, nt), p.x, wt);
+      else
+        at::mm_out(o, p.x, wt);
+    }
+  });
+}
 
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
@@ -71,7 +92,8 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
   const int64_t N = weight.size(0), K = weight.size(1);
   F32Dec d{weight.data_ptr<float>(), K};
 #if KILN_F32_DOT
-  if (x.dim() == 2 && x.size(0) >= kDotMinM && x.size(0) <= kDotMaxM) {   // a decode batch
+  if (x.dim() == 2 && x.size(0) >= kDotMinM && x.size(0) <= kDotMaxM &&   // a decode batch
+      f32_dot_runs()) {
     Prepared p = prepare(x, N, K, bias, op);
     const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
     if (N > 0) dot_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());
@@ -80,6 +102,12 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
 #endif
   if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
     Prepared p = prepare(x, N, K, bias, op);
+#if KILN_F32_DOT
+    if (!cpu_is_intel() && N > kBlasChunk) {   // see blas_in_chunks
+      blas_in_chunks(p, weight);
+      return p.result(x);
+    }
+#endif
     if (!p.bias.defined() && N >= kTallMinN && x.size(0) <= kTallMaxM)
       p.out.copy_(at::mm(weight, p.x.t()).t());
     else if (p.bias.defined())

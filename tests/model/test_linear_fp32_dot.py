@@ -58,3 +58,14 @@ def test_row_does_not_depend_on_batch():
         assert torch.equal(got, full[:m]), f"{m} rows"
         # the same rows anywhere in the batch: the last m rows alone
         assert torch.equal(torch.ops.kiln.linear_fp32(x[64 - m:], w, bias), full[64 - m:]), m
+
+
+@pytest.mark.parametrize("m", [8, 200])
+def test_runs_in_inference_mode(m):
+    """As the engine calls it: on inference tensors (the prefill's chunks of weight rows are
+    written from the worker threads, whose inference mode is their own)."""
+    g = torch.Generator().manual_seed(m)
+    w, x, bias = torch.randn(300, 96, generator=g), torch.randn(m, 96, generator=g), torch.randn(300, generator=g)
+    with torch.inference_mode():
+        got = torch.ops.kiln.linear_fp32(x, w, bias)
+    torch.testing.assert_close(got, _ref(x, w, bias), rtol=1e-5, atol=1e-4)

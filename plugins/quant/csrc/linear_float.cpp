@@ -1,6 +1,7 @@
 // CPU kernels of kiln::linear_fp32 and kiln::linear_bf16, the linears of float weights
 // (schemas and references: plugins/quant/ops.py). Registered for the CPU key, so they override
 // the references once this library is loaded. Their GEMV and tile paths: dequant_gemv.h.
+#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include "bf16_dot.h"
@@ -71,7 +72,9 @@ constexpr int64_t kBlasChunk = 64;
 
 void blas_in_chunks(const Prepared& p, const at::Tensor& weight) {
   const int64_t N = weight.size(0);
+  const bool inference = c10::InferenceMode::is_enabled();   // thread-local: the caller's
   kiln::parallel_chunks((N + kBlasChunk - 1) / kBlasChunk, 1, [&](int64_t c0, int64_t c1) {
+    c10::InferenceMode guard(inference);   // the out= views of an inference tensor
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * kBlasChunk, nt = std::min(kBlasChunk, N - n0);
       at::Tensor o = p.out.narrow(1, n0, nt);

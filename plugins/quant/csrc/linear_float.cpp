@@ -60,14 +60,16 @@ struct F32Dec {
 // round on SmolLM2's 32 x 576 @ 576 x 49152 (AMD AVX2, 2 threads; docs/PERFORMANCE.md), and
 // gives the same bits at 16 and 32 rows. The transposed copy of out is M x N floats.
 // Where gemm_f32_dot.h's kernel runs (AVX2 builds; AVX-512 builds off Intel CPUs) it takes
-// 8-64 rows instead (faster there, and a row's bits do not depend on the batch).
+// 8-64 rows (8-128 in AVX-512 builds) instead: faster there, and a row's bits do not depend
+// on the batch.
 constexpr int64_t kTallMinN = 16384;
 constexpr int64_t kTallMaxM = 64;
 
-// Off Intel CPUs MKL's sgemm gains little from a second thread at a prefill's shapes (AMD Zen 4,
-// 512 x 576 @ 576 x 1536: 83 GFLOPS on one thread, 86 on two): there the weight rows go to the
-// threads in chunks of kBlasChunk, one single-threaded sgemm each (a fixed split: a row's bits
-// do not depend on the thread count).
+// Off Intel CPUs MKL's sgemm gains little from its second thread at a prefill's shapes: there
+// the weight rows go to the threads in chunks of kBlasChunk, one single-threaded sgemm each (a
+// fixed split: a row's bits do not depend on the thread count). AMD Zen 4, 30 SmolLM2 layers,
+// 2 threads (bench/kernel_levels.py): 128 rows 181-231 against 235-334 ms, 512 rows 664-671
+// against 697-733.
 constexpr int64_t kBlasChunk = 64;
 
 void blas_in_chunks(const Prepared& p, const at::Tensor& weight) {
@@ -95,8 +97,8 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
   const int64_t N = weight.size(0), K = weight.size(1);
   F32Dec d{weight.data_ptr<float>(), K};
 #if KILN_F32_DOT
-  if (x.dim() == 2 && x.size(0) >= kDotMinM && x.size(0) <= kDotMaxM &&   // a decode batch
-      f32_dot_runs()) {
+  if (x.dim() == 2 && x.size(0) >= kDotMinM && x.size(0) <= f32_dot_max_rows() &&
+      f32_dot_runs()) {   // a decode batch
     Prepared p = prepare(x, N, K, bias, op);
     const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
     if (N > 0) dot_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());

@@ -397,6 +397,17 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
                          kernel_paths=kernel_paths, inputs=kcompile.input_names(lora is not None))
 
 
+def _with_kernel_compute(built: _Built) -> QuantizationRecord:
+    """The quantization record with how the compiled kernels compute bf16: from 8 rows of x in
+    bf16 (products of bf16 pairs, float32 sums) where the plan's kernel path says so (the
+    `avx512_bf16` and `amx` levels), else upcast to float32."""
+    q = built.quantization
+    if q.bf16_compute and any("bf16 from 8 rows" in path
+                              for path in built.engine.kernel_paths.values()):
+        return dataclasses.replace(q, bf16_compute="bf16-from-8-rows")
+    return q
+
+
 def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp: str,
               fp_inputs: dict, built: _Built) -> PlanManifest:
     """plan.json for the files in tmp (each with its size and sha256)."""
@@ -429,7 +440,7 @@ def _manifest(tmp: Path, spec: Spec, spec_path, ckpt, target: TargetSection, fp:
         toolchain=ToolchainSection(**toolchain()),
         precision=PrecisionSection(weights=spec.precision.weights, kv_cache=spec.kv_dtype,
                                    activations=spec.precision.activations,
-                                   quantization=built.quantization),
+                                   quantization=_with_kernel_compute(built)),
         limits=LimitsSection(max_batch_size=limits.max_batch_size,
                              max_seq_len=limits.max_seq_len, max_input_len=limits.input_len,
                              max_num_tokens=limits.max_num_tokens),

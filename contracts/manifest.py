@@ -226,7 +226,7 @@ class QuantizationRecord(_Section):
     lm_head: Optional[str] = None                 # how a tied head was stored
     int4_layout_kept: Optional[tuple[str, ...]] = None  # int4 linears left in [N, K/2]
     fp8_compute: Optional[str] = None             # how the fp8 kernel computes
-    bf16_compute: Optional[str] = None            # how the bf16 kernel computes
+    bf16_compute: Optional[str] = None            # upcast-fp32 | bf16-from-8-rows
     calibration: Optional[str] = None             # why calibration text went unused
 
     def to_json(self) -> dict:

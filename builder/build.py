@@ -399,11 +399,12 @@ def _compile(model, tmp: Path, spec: Spec, target: TargetSection,
 
 def _with_kernel_compute(built: _Built) -> QuantizationRecord:
     """The quantization record with how the compiled kernels compute bf16: from 8 rows of x in
-    bf16 (products of bf16 pairs, float32 sums) where the plan's kernel path says so (the
-    `avx512_bf16` and `amx` levels), else upcast to float32."""
+    bf16 (products of bf16 pairs, float32 sums) where they do (the `avx512_bf16` and `amx`
+    levels), else upcast to float32."""
+    from kiln.builder.compile import kernels_compute_bf16
+
     q = built.quantization
-    if q.bf16_compute and any("bf16 from 8 rows" in path
-                              for path in built.engine.kernel_paths.values()):
+    if q.bf16_compute and kernels_compute_bf16(built.engine):
         return dataclasses.replace(q, bf16_compute="bf16-from-8-rows")
     return q
 

@@ -329,14 +329,19 @@ def _runs_rows16(model: torch.nn.Module) -> bool:
                for m in model.modules())
 
 
+def kernels_compute_bf16(engine: EngineSection) -> bool:
+    """Whether the plan's kernels compute a bf16 linear's batch rows (8 and more) in bf16, on
+    AMX-BF16 tiles or AVX-512 BF16 dot products, rounding each input to bf16
+    (plugins/quant/csrc/bf16_gemm.h, bf16_dot.h): the kernel path says "bf16 from 8 rows"."""
+    return any("bf16 from 8 rows" in path for path in engine.kernel_paths.values())
+
+
 def _rounds_bf16(model: torch.nn.Module, engine: EngineSection) -> bool:
-    """Whether the model's bf16 linears compute a batch's rows in bf16 (AMX-BF16 tiles or
-    AVX-512 BF16 dot products), rounding each input to bf16 (plugins/quant/csrc/bf16_gemm.h,
-    bf16_dot.h: the plan's kernel path says so)."""
+    """Whether the model's bf16 linears round their inputs to bf16 (kernels_compute_bf16)."""
     from kiln.plugins.quant.modules import QuantLinear
 
     return (any(isinstance(m, QuantLinear) and m.scheme == "bf16" for m in model.modules())
-            and any("bf16 from 8 rows" in path for path in engine.kernel_paths.values()))
+            and kernels_compute_bf16(engine))
 
 
 @torch.no_grad()
@@ -395,8 +400,8 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     # by the last digit's unit, 1/16,256 of its group's max: SmolLM2 with a bf16 KV cache
     # 0.048 (VNNI) and 0.084 (AVX2), over the 0.05 that bounds the plans whose activations
     # stay float.
-    # bf16 weights on AMX-BF16 tiles or AVX-512 BF16 round each linear's input to bf16 at run time: an ulp
-    # there flips a rounding, 1/256 of the activation, in every layer (SmolLM2: 0.13).
+    # bf16 weights on AMX-BF16 tiles or AVX-512 BF16 round each linear's input to bf16 at run
+    # time: an ulp there flips a rounding, 1/256 of the activation, in every layer (SmolLM2: 0.13).
     # The accuracy gate then measures the compiled plan against the float model.
     if spec.precision.activations == "int8":
         tol = 0.2 * max(scale, 1.0)

@@ -1,9 +1,10 @@
 """kiln::linear_fp32 at a decode batch's rows (8-64 rows of x, 8-128 in AVX-512 builds:
 gemm_f32_dot.h's register-blocked kernel on AVX2 builds and on AVX-512 builds off Intel CPUs,
-BLAS on others) and at a prefill's (BLAS; off Intel CPUs in chunks of 64 weight rows): x W^T (+ bias) within fp32 rounding on
-shapes that leave partial tiles and chunks (N not a multiple of the 12-row group or of 64, rows
-not a multiple of 8), and where the dot kernel runs a row's output the same bits at every
-number of rows it takes (MKL's sgemm gave other bits at 9-11 rows than at 64)."""
+BLAS on others) and at a prefill's (BLAS; off Intel CPUs in chunks of 64 weight rows): x W^T
+(+ bias) within fp32 rounding on shapes that leave partial tiles and chunks (N not a multiple
+of the 12-row group or of 64, rows not a multiple of 8), and where the dot kernel runs a row's
+output the same bits at every number of rows it takes (MKL's sgemm gave other bits at 9-11
+rows than at 64)."""
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,8 @@ def test_matches_x_wt(m, n, k):
 
 
 def _dot_kernel_runs() -> bool:
-    """gemm_f32_dot.h's kernel takes 8-64 rows in AVX2 builds, and in AVX-512 builds on CPUs
-    other than Intel's (kernels.load: this host's level)."""
+    """gemm_f32_dot.h's kernel takes 8-64 rows in AVX2 builds, and 8-128 in AVX-512 builds on
+    CPUs other than Intel's (kernels.load: this host's level)."""
     level = isa.host_level().name
     intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
     return level == "avx2" or (level != "none" and not intel)
@@ -66,7 +67,8 @@ def test_runs_in_inference_mode(m):
     """As the engine calls it: on inference tensors (the prefill's chunks of weight rows are
     written from the worker threads, whose inference mode is their own)."""
     g = torch.Generator().manual_seed(m)
-    w, x, bias = torch.randn(300, 96, generator=g), torch.randn(m, 96, generator=g), torch.randn(300, generator=g)
+    w, x = torch.randn(300, 96, generator=g), torch.randn(m, 96, generator=g)
+    bias = torch.randn(300, generator=g)
     with torch.inference_mode():
         got = torch.ops.kiln.linear_fp32(x, w, bias)
     torch.testing.assert_close(got, _ref(x, w, bias), rtol=1e-5, atol=1e-4)

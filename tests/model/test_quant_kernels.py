@@ -78,7 +78,8 @@ def test_bf16_kernel_at_prefill_rows_is_batch_invariant(n, k):
     """A prefill's rows (past a panel of x: 224 rows at K = 576) match the reference, and a row
     of 8+ gets the same bits whichever batch of 8+ rows it is computed in."""
     g = torch.Generator().manual_seed(n + k)
-    x, w, b = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x, w = torch.randn(300, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g)
     _check(x, w, "bf16", None, bias=b)
     qw = formats.quantize(w, "bf16")
     out = ops.quant_linear(x, qw, b)

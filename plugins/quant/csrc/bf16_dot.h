@@ -8,9 +8,10 @@
 // bf16, as its precision says and as the AMX path (bf16_gemm.h) does. x is rounded to bf16
 // (to nearest even) once per call; the weights are read as they are stored, [N, K]. Work: 4
 // weight rows x up to 4 rows of x a register tile, each sum a vector over k reduced at the
-// end (int8_dot.h's arrangement), parallel over blocks of weight rows, a block's 4 rows
-// staying in L1 while every row block of x passes: weights are read once per call. A row's
-// result is the same whichever tile it shares: its sums run in one fixed order.
+// end (int8_dot.h's arrangement), parallel over chunks of weight rows; each panel of x (rows
+// that fit in L2) passes over a chunk's weights, so weights come from memory once per call and
+// from L2 once per further panel. A row's result is the same whichever tile or panel it is
+// computed in: its sums run in one fixed order.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -61,7 +62,8 @@ inline void tile_dpbf16(const uint16_t* xb, const uint16_t* w, int64_t K, const 
     __m512bh wv[kDotNB];
     for (int j = 0; j < kDotNB; ++j) {
       const uint16_t* p = w + (n0 + j) * K + k;
-      _mm_prefetch(reinterpret_cast<const char*>(std::min(p + kDotPrefetch / 2, last)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(std::min(p + kDotPrefetch / 2, last)),
+                   _MM_HINT_T0);
       kiln::prefetch_far(p);
       wv[j] = (__m512bh)_mm512_loadu_si512(p);
     }
@@ -94,7 +96,8 @@ inline void bf16_dot_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int
   // thread (plugins/csrc/parallel.h)
   const int64_t chunk = kiln::chunk_items(nblocks, 2 * kDotNB * K, 32 << 10);
   // rows of x a panel: about 256 KiB of bf16 (a whole number of tiles)
-  const int64_t panel = std::max<int64_t>(kDotMB, (128 << 10) / std::max<int64_t>(K, 1) / kDotMB * kDotMB);
+  const int64_t panel =
+      std::max<int64_t>(kDotMB, (128 << 10) / std::max<int64_t>(K, 1) / kDotMB * kDotMB);
   kiln::parallel_chunks(nblocks, chunk, [&](int64_t b0, int64_t b1) {
     float t[kDotMB][kDotNB];
     if (b1 * kDotNB > N) {   // the last partial block of weight rows (N % 4): scalar
@@ -109,8 +112,8 @@ inline void bf16_dot_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int
     const int64_t b1w = std::min(b1, N / kDotNB);
     for (int64_t p0 = 0; p0 < M; p0 += panel)
       for (int64_t nb = b0; nb < b1w; ++nb) {
-        const int64_t n0 = nb * kDotNB;
-        for (int64_t m0 = p0; m0 < std::min(M, p0 + panel); m0 += kDotMB) {
+        const int64_t n0 = nb * kDotNB, p1 = std::min(M, p0 + panel);
+        for (int64_t m0 = p0; m0 < p1; m0 += kDotMB) {
           const int64_t mr = std::min(kDotMB, M - m0);
           switch (mr) {
             case 4: tile_dpbf16<4>(xb, w, K, last, m0, n0, t); break;

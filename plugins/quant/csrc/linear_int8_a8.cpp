@@ -7,7 +7,8 @@
 // The integer dot products: int8_dot.h (VNNI vpdpbusd / AVX2 vpmaddubsw / scalar).
 // From kIntMmMinM rows of x on, the integer GEMM is int8_gemm.h's: AMX tiles at the amx
 // level (each C tile scaled into y as it is stored: StoreScaled), else ATen's _int_mm
-// (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the machine it runs on): measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
+// (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the machine it runs on):
+// measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
 // M=1 this kernel 17 us vs 83 us; M=4 48 vs 41; M=32 244 vs 86
 // (bench/results/w8a8_vs_libraries.log). All give the same integers.
 // Only where oneDNN has int8 micro-kernels (VNNI, AMX): on an AVX2-only host ATen's _int_mm

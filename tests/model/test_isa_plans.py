@@ -166,9 +166,10 @@ def alone(x, q, b):   # each row of x through the W8A8 / W4A8 op by itself
 # (17, 48, 128), (40, 96, 576): the amx level's tiles (the batched int8 GEMM, W4A8 from 32
 # rows and int4_rows16 from 16: whole tiles of 16, the rest on VNNI) with tails of x rows
 # and weight rows; (36, 32, 96): an odd number of W4A8 groups; K = 200 and 96 are not whole
-# int8 tiles (_int_mm)
+# int8 tiles (_int_mm); the VNNI levels' GEMM (from 8 rows): (17, 48, 128) and (40, 96, 576)
+# end on a half block of x rows, (12, 50, 192) on two weight rows past its 16-row blocks
 for m, n, k in [(1, 960, 576), (5, 576, 1536), (33, 130, 200), (2, 37, 100), (7, 48, 96),
-                (17, 48, 128), (40, 96, 576), (36, 32, 96)]:
+                (17, 48, 128), (40, 96, 576), (36, 32, 96), (12, 50, 192)]:
     x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     qw = formats.quantize(w, "int8")
     out = ops.quant_linear(x, qw, b, activations="int8")

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
@@ -74,10 +75,16 @@ inline const TileConfig& tile_config() {
   return cfg;
 }
 
+#endif  // KILN_INT8_GEMM_AMX
+
+#if KILN_INT8_GEMM_AMX || KILN_INT8_DOT_VNNI
+
 // x [M, K] int8 -> B tiles: for each block of 16 rows of x and each 64 k, 1 KiB whose row p
 // holds, for x-rows j = 0..15, the 4 bytes x[16 b + j, 64 c + 4 p .. + 3] (zeros past M).
-// In bytes, so a bf16 x (K = 2 x its elements) packs the same way: 2 k a dword.
-inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K) {
+// In bytes, so a bf16 x (K = 2 x its elements) packs the same way: 2 k a dword. With
+// `offset`, x's bytes are stored as unsigned, x + 128 (the VNNI GEMM's u8 operand).
+inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K, bool offset = false) {
+  const uint32_t flip = offset ? 0x80808080u : 0u;
   const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
   std::vector<int8_t> b(static_cast<size_t>(mblocks * kchunks * 1024), 0);
   for (int64_t mb = 0; mb < mblocks; ++mb)
@@ -85,7 +92,12 @@ inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K) {
       const int8_t* row = x + (mb * 16 + j) * K;
       for (int64_t c = 0; c < kchunks; ++c) {
         int8_t* tile = b.data() + (mb * kchunks + c) * 1024;
-        for (int p = 0; p < 16; ++p) std::memcpy(tile + p * 64 + j * 4, row + c * 64 + p * 4, 4);
+        for (int p = 0; p < 16; ++p) {
+          uint32_t v;
+          std::memcpy(&v, row + c * 64 + p * 4, 4);
+          v ^= flip;
+          std::memcpy(tile + p * 64 + j * 4, &v, 4);
+        }
       }
     }
   return b;
@@ -133,6 +145,110 @@ struct StoreAcc {
     });
   }
 };
+
+#endif
+
+#if KILN_INT8_DOT_VNNI && !KILN_INT8_GEMM_AMX
+
+// The VNNI GEMM: the AMX tiles' plan on vpdpbusd. A task is 16 weight rows; their C (16
+// weight rows x 16 x-rows, int32) is 16 registers, register i row n0 + i with one x-row a
+// lane, so it stores as the C tile does and goes through the same stores. Per 4 k: one
+// 64-byte load of x's B tile row (x + 128 as u8: vpdpbusd multiplies u8 by s8) and 16
+// vpdpbusd, each with 4 bytes of a weight row broadcast from memory (s8, straight from w:
+// no re-layout). The 128 * sum_k w[n, k] the offset adds is taken off per weight row. The
+// 16 rows (16 K bytes, contiguous) stay in L1 while every 16-row block of x passes over
+// them; the next task's rows are prefetched during the first pass.
+// C of 16 weight rows (wt: 16 K bytes) and one 16-row block of x's B tiles (bt) into buf
+// (C[i][j] at buf[16 i + j]), without the offset's correction. kHalf: only the block's first
+// 8 x-rows, on 256-bit registers (half the instructions; the rest of buf is left as is).
+// With `next`, the 16 K bytes there are prefetched into L1 on the way.
+template <bool kHalf>
+inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8_t* next,
+                       int32_t* buf) {
+  using V = std::conditional_t<kHalf, __m256i, __m512i>;
+  V acc[16];
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (kHalf) acc[i] = _mm256_setzero_si256();
+    else acc[i] = _mm512_setzero_si512();
+  }
+  // Per 64 k: x's B tile rows in two halves of 8 registers, each against the 16 weight rows
+  // in turn (one pointer stepping K: sixteen row pointers would spill out of the general
+  // registers), 8 vpdpbusd into the row's accumulator with the weights broadcast from memory.
+  for (int64_t c = 0; c < K / 64; ++c) {
+    if (next)
+      for (int i = 0; i < 16; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(next + c * 1024 + i * 64), _MM_HINT_T0);
+    const int8_t* xc = bt + c * 1024;
+    for (int h = 0; h < 2; ++h) {
+      V xv[8];
+      for (int q = 0; q < 8; ++q) {
+        const int8_t* src = xc + (8 * h + q) * 64;
+        if constexpr (kHalf) xv[q] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        else xv[q] = _mm512_loadu_si512(src);
+      }
+      const int8_t* wr = wt + c * 64 + 32 * h;
+#pragma GCC unroll 4
+      for (int g = 0; g < 16; g += 4, wr += 4 * K) {
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) {
+#pragma GCC unroll 4
+          for (int r = 0; r < 4; ++r) {
+            int32_t wv;
+            std::memcpy(&wv, wr + r * K + 4 * q, 4);
+            V& a = acc[g + r];
+            if constexpr (kHalf) a = _mm256_dpbusd_epi32(a, xv[q], _mm256_set1_epi32(wv));
+            else a = _mm512_dpbusd_epi32(a, xv[q], _mm512_set1_epi32(wv));
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (kHalf) _mm256_store_si256(reinterpret_cast<__m256i*>(buf + 16 * i), acc[i]);
+    else _mm512_store_si512(buf + 16 * i, acc[i]);
+  }
+}
+
+template <class Store>
+inline void vnni_rows16(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
+                        const Store& store) {
+  const int64_t kchunks = K / 64, mblocks = (M + 15) / 16;
+  const int8_t* wt = w + n0 * K;
+  alignas(64) int32_t buf[256] = {};   // (a half block leaves columns 8..15 unused)
+  __m512i off[16];   // 128 * sum_k w[n0 + i, k], what x's offset added
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int i = 0; i < 16; ++i) {
+    __m512i s = _mm512_setzero_si512();
+    for (int64_t c = 0; c < kchunks; ++c)
+      s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(wt + i * K + c * 64));
+    off[i] = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(s));
+  }
+  for (int64_t mb = 0; mb < mblocks; ++mb) {
+    const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+    const int8_t* next = mb == 0 ? wt + 16 * K : nullptr;
+    if (rows <= 8) vnni_block<true>(wt, K, b + mb * kchunks * 1024, next, buf);
+    else vnni_block<false>(wt, K, b + mb * kchunks * 1024, next, buf);
+    for (int i = 0; i < 16; ++i)
+      _mm512_store_si512(buf + 16 * i, _mm512_sub_epi32(_mm512_load_si512(buf + 16 * i), off[i]));
+    store(buf, n0, mb * 16, rows);
+  }
+}
+
+// Every whole block of 16 weight rows (N / 16 of them) against x's B tiles (pack_b with
+// offset), spread over the engine's threads.
+template <class Store = StoreAcc>
+inline void vnni_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t M, int64_t N,
+                            const Store& store) {
+  const int64_t blocks = N / 16;
+  const int64_t chunk = kiln::chunk_items(blocks, 1, blocks, 8);
+  kiln::parallel_chunks(blocks, chunk, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) vnni_rows16(w, i * 16, K, b, M, store);
+  });
+}
+
+#endif
+
+#if KILN_INT8_GEMM_AMX
 
 // One tile product C += A B: int8 (4 k a dword, int32 sums) or, with kBf16, bf16 (2 k a
 // dword, float32 sums: bf16_gemm.h), whose tiles are laid out alike in bytes.
@@ -215,19 +331,29 @@ inline void amx_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t 
   });
 }
 
-// The last N % 32 weight rows: scalar dot products (at most 31 rows).
+#endif  // KILN_INT8_GEMM_AMX
+
+// The weight rows [n0, n1) past the tiles' whole blocks: scalar dot products (at most 31).
 inline void scalar_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t K, const int8_t* x,
                         int64_t M, int32_t* acc, int64_t N) {
   for (int64_t m = 0; m < M; ++m)
     for (int64_t n = n0; n < n1; ++n) acc[m * N + n] = dot_scalar(x + m * K, w + n * K, 0, K);
 }
 
-#endif  // KILN_INT8_GEMM_AMX
-
-// Whether int8_gemm runs on AMX tiles for these shapes (else _int_mm).
+// Whether int8_gemm runs on AMX tiles for these shapes (else _int_mm). for these shapes (else _int_mm).
 inline bool int8_gemm_on_tiles(int64_t M, int64_t N, int64_t K) {
 #if KILN_INT8_GEMM_AMX
   return M > 0 && N >= 32 && K >= 64 && K % 64 == 0 && amx_ready();
+#else
+  (void)M, (void)N, (void)K;
+  return false;
+#endif
+}
+
+// Whether int8_gemm runs on the VNNI GEMM for these shapes (the vnni levels; else _int_mm).
+inline bool int8_gemm_on_vnni(int64_t M, int64_t N, int64_t K) {
+#if KILN_INT8_DOT_VNNI && !KILN_INT8_GEMM_AMX
+  return M > 0 && N >= 16 && K >= 64 && K % 64 == 0;
 #else
   (void)M, (void)N, (void)K;
   return false;
@@ -244,6 +370,15 @@ inline at::Tensor int8_gemm(const int8_t* x, int64_t M, const int8_t* w, int64_t
     const std::vector<int8_t> b = pack_b(x, M, K);
     amx_row_blocks(w, K, b.data(), M, N, StoreAcc{acc, N});
     scalar_rows(w, N / 32 * 32, N, K, x, M, acc, N);
+    return out;
+  }
+#elif KILN_INT8_DOT_VNNI
+  if (int8_gemm_on_vnni(M, N, K)) {
+    at::Tensor out = at::empty({M, N}, at::TensorOptions().dtype(at::kInt));
+    int32_t* acc = out.data_ptr<int32_t>();
+    const std::vector<int8_t> b = pack_b(x, M, K, /*offset=*/true);
+    vnni_row_blocks(w, K, b.data(), M, N, StoreAcc{acc, N});
+    scalar_rows(w, N / 16 * 16, N, K, x, M, acc, N);
     return out;
   }
 #endif

@@ -5,12 +5,13 @@
 //   wq, sw: the int8 per-output-channel weights of linear_int8.
 //
 // The integer dot products: int8_dot.h (VNNI vpdpbusd / AVX2 vpmaddubsw / scalar).
-// From kIntMmMinM rows of x on, the integer GEMM is int8_gemm.h's: AMX tiles at the amx
-// level (each C tile scaled into y as it is stored: StoreScaled), else ATen's _int_mm
-// (oneDNN's s8 GEMM, which picks VNNI/AMX micro-kernels for the machine it runs on):
-// measured on SmolLM2's w13 (3072 x 576), 2 threads, AVX-512 VNNI host:
-// M=1 this kernel 17 us vs 83 us; M=4 48 vs 41; M=32 244 vs 86
-// (bench/results/w8a8_vs_libraries.log). All give the same integers.
+// From kGemmMinM rows of x on, the integer GEMM is int8_gemm.h's, each 16 x 16 block of sums
+// scaled into y as it is stored (StoreScaled): AMX tiles at the amx level, from 4 rows; the
+// vpdpbusd GEMM at the VNNI levels, from 8 rows. SmolLM2's w13 (3072 x 576), 2 threads, Zen 4,
+// best of 7 (bench/linear_kernels.py), rows of x: dot tiles / this GEMM (us): 4: 51 / 79,
+// 8: 86 / 85, 12: 122 / 101, 16: 198 / 101, 32: 320 / 165. oneDNN's _int_mm (which lays the
+// weight out again on every call) took 256 at 32 rows there; it stays for the shapes the
+// GEMMs do not take (K not a multiple of 64), from 4 rows. All give the same integers.
 // Only where oneDNN has int8 micro-kernels (VNNI, AMX): on an AVX2-only host ATen's _int_mm
 // falls back to a scalar loop, 0.06-0.17 GMAC/s on a Zen 2 core against the AVX2 dot
 // products' tens, so the AVX2 and scalar levels keep every M on int8_dot.h's tiles (the
@@ -27,7 +28,7 @@
 #if KILN_INT8_GEMM_AMX
 #define KILN_A8_PATH "w8a8: avx512-vnni vpdpbusd, from 4 rows amx tiles"
 #elif KILN_INT8_DOT_VNNI
-#define KILN_A8_PATH "w8a8: avx512-vnni vpdpbusd"
+#define KILN_A8_PATH "w8a8: avx512-vnni vpdpbusd, from 8 rows vpdpbusd gemm"
 #elif KILN_INT8_DOT_AVX2
 #define KILN_A8_PATH "w8a8: avx2 vpmaddubsw"
 #else
@@ -41,17 +42,21 @@ namespace {
 
 using namespace kiln_int8;
 
-#if KILN_INT8_DOT_VNNI || KILN_INT8_GEMM_AMX
+#if KILN_INT8_GEMM_AMX
 constexpr int64_t kIntMmMinM = 4;
+constexpr int64_t kGemmMinM = 4;
+#elif KILN_INT8_DOT_VNNI
+constexpr int64_t kIntMmMinM = 4;
+constexpr int64_t kGemmMinM = 8;   // a half block (8 rows of x) costs what 8 rows of dot tiles do
 #else
 constexpr int64_t kIntMmMinM = INT64_MAX;   // no fast int8 GEMM in oneDNN at this level
 #endif
 
-#if KILN_INT8_GEMM_AMX
-// The tiles' store for W8A8: each C tile's columns (a row of x, 16 weight rows) scaled into
-// y as they leave the tile, y = float(acc) * (sx[m] * sw[n]) + bias[n] with one rounding
-// after the product of the scales (an FMA), the expression the other paths' loops compile to,
-// so a row's bits do not depend on the path its batch takes.
+#if KILN_INT8_GEMM_AMX || KILN_INT8_DOT_VNNI
+// The GEMMs' store for W8A8: each C block's columns (a row of x, 16 weight rows) scaled into
+// y as they leave it, y = float(acc) * (sx[m] * sw[n]) + bias[n] with one rounding after the
+// product of the scales (an FMA), the expression the other paths' loops compile to, so a
+// row's bits do not depend on the path its batch takes.
 struct StoreScaled {
   float* y;
   int64_t N;
@@ -97,21 +102,30 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   float* y = out.data_ptr<float>();
 
-#if KILN_INT8_GEMM_AMX
-  if (M >= kIntMmMinM && int8_gemm_on_tiles(M, N, K)) {
-    // scaled as the tiles are stored: no int32 [M, N] and no second pass over it
-    const std::vector<int8_t> bt = pack_b(qx.q.data(), M, K);
+#if KILN_INT8_GEMM_AMX || KILN_INT8_DOT_VNNI
+  const bool tiles = int8_gemm_on_tiles(M, N, K), vnni = int8_gemm_on_vnni(M, N, K);
+  if (M >= kGemmMinM && (tiles || vnni)) {
+    // scaled as the blocks are stored: no int32 [M, N] and no second pass over it
     const int8_t* w = qweight.data_ptr<int8_t>();
-    amx_row_blocks(w, K, bt.data(), M, N, StoreScaled{y, N, sx, sw, b});
-    for (int64_t m = 0; m < M; ++m)   // the last N % 32 weight rows (at most 31)
-      for (int64_t n = N / 32 * 32; n < N; ++n)
+    const std::vector<int8_t> bt = pack_b(qx.q.data(), M, K, /*offset=*/vnni);
+    const StoreScaled store{y, N, sx, sw, b};
+    int64_t whole = N / 16 * 16;
+#if KILN_INT8_GEMM_AMX
+    amx_row_blocks(w, K, bt.data(), M, N, store);
+    whole = N / 32 * 32;
+#else
+    vnni_row_blocks(w, K, bt.data(), M, N, store);
+#endif
+    for (int64_t m = 0; m < M; ++m)   // the weight rows past the whole blocks (at most 31)
+      for (int64_t n = whole; n < N; ++n)
         y[m * N + n] = std::fma(float(dot_scalar(qx.q.data() + m * K, w + n * K, 0, K)),
                                 sx[m] * sw[n], b ? b[n] : 0.f);   // StoreScaled's FMA
     return x_in.scalar_type() == at::kFloat ? out : out.to(x_in.scalar_type());
   }
 #endif
-  if (M >= kIntMmMinM && K >= 8 && N >= 8) {   // a [N, 1] or [1, K] weight's transpose has
-                                               // strides oneDNN misreads (garbage, no error)
+  // _int_mm for the shapes the GEMMs do not take; a [N, 1] or [1, K] weight's transpose has
+  // strides oneDNN misreads (garbage, no error)
+  if (M >= kIntMmMinM && K >= 8 && N >= 8 && !int8_gemm_on_vnni(M, N, K)) {
     const at::Tensor acc = int8_gemm(qx.q.data(), M, qweight.data_ptr<int8_t>(), N, K);
     const int32_t* a = acc.data_ptr<int32_t>();
     at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {

@@ -17,6 +17,8 @@ no OpenAI-compatible server (OpenVINO Model Server is a separate C++ server), so
 In-process mode: OpenVINO GenAI's ContinuousBatchingPipeline (in /tmp/peer-ov's python) and
 Kiln's Engine (this venv), each in its own process, given the same prompts as token ids, all
 of a batch submitted at once, --output-len greedy tokens each (ignore_eos): output tokens/s.
+Each system first answers 2 warm-up prompts, and every run has prompts of its own (Kiln's
+prefix cache would otherwise skip the prefill of prompts it has seen).
 OpenVINO's CPU plugin computes an fp32 IR in bf16 by default where the CPU has AMX or AVX-512
 BF16: its fp32 system asks for f32 (INFERENCE_PRECISION_HINT), its bf16 system runs the same
 IR at bf16, against Kiln's fp32 and bf16 plans.
@@ -213,6 +215,16 @@ def make_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 48000) for _ in range(length)] for _ in range(count)]
 
 
+def batch_prompts(spec: dict):
+    """(None, 2 warm-up prompts), then (b, b prompts) per batch size: every run its own
+    prompts, so no timed run finds its prompts' prefixes cached by an earlier one."""
+    prompts, at = spec["prompts"], 2
+    yield None, prompts[:2]
+    for b in spec["batches"]:
+        yield b, prompts[at:at + b]
+        at += b
+
+
 def child_ov(spec: dict) -> dict:
     """In /tmp/peer-ov's python: ContinuousBatchingPipeline on spec's prompts -> tok/s."""
     import numpy as np
@@ -233,7 +245,11 @@ def child_ov(spec: dict) -> dict:
     core = ov.Core()
     out = {"kv_cache_precision": str(core.get_property("CPU", "KV_CACHE_PRECISION")),
            "inference_precision": spec.get("precision_hint")
-           or str(core.get_property("CPU", "INFERENCE_PRECISION_HINT"))}
+           or str(core.get_property("CPU", "INFERENCE_PRECISION_HINT")),
+           # activations of compressed (int8 / int4) weights quantized to int8 per group of
+           # this many at run time (0: not quantized)
+           "dynamic_quantization_group_size":
+           int(core.get_property("CPU", "DYNAMIC_QUANTIZATION_GROUP_SIZE"))}
 
     def run(prompts):
         ids = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
@@ -242,9 +258,11 @@ def child_ov(spec: dict) -> dict:
         wall = time.perf_counter() - t0
         return sum(len(r.m_generation_ids[0]) for r in res), wall
 
-    run(spec["prompts"][:2])                                       # warm-up
-    for b in spec["batches"]:
-        tokens, wall = run(spec["prompts"][:b])
+    for b, prompts in batch_prompts(spec):
+        if b is None:
+            run(prompts)                                           # warm-up
+            continue
+        tokens, wall = run(prompts)
         out[str(b)] = {"output_tok_s": tokens / wall, "output_tokens": tokens}
     return out
 
@@ -268,9 +286,11 @@ def child_kiln(spec: dict) -> dict:
             tokens = sum(s.result().usage.completion_tokens for s in streams)
             return tokens, time.perf_counter() - t0
 
-        run(spec["prompts"][:2])                                   # warm-up
-        for b in spec["batches"]:
-            tokens, wall = run(spec["prompts"][:b])
+        for b, prompts in batch_prompts(spec):
+            if b is None:
+                run(prompts)                                       # warm-up
+                continue
+            tokens, wall = run(prompts)
             out[str(b)] = {"output_tok_s": tokens / wall, "output_tokens": tokens}
     finally:
         engine.shutdown()
@@ -379,8 +399,10 @@ def main() -> None:
               "load_avg_start": os.getloadavg()}
     kilns = [f"kiln-{p}" for p in args.kiln]
     pairs = [(f"kiln-{p}", f"{peer}-{p}") for p in OV_FORMATS for peer in ("vllm", "ov")]
-    # int8 weights on both sides: OpenVINO's int8 IR computes its activations in bf16, W8A8
-    # quantizes them to int8 per token (its own accuracy gate passed at build)
+    # int8 weights and int8 activations on both sides: OpenVINO's CPU plugin quantizes the
+    # activations of its int8 IR's matmuls per group of 32 at run time (its
+    # DYNAMIC_QUANTIZATION_GROUP_SIZE, recorded), W8A8 per token (its accuracy gate passed
+    # at build)
     pairs += [("kiln-w8a8", "ov-int8")]
     if "server" in args.mode:
         levels = [str(c) for c in args.concurrency]
@@ -393,7 +415,7 @@ def main() -> None:
         print_table("server mode (vllm bench serve, OpenAI completions, streaming)", med, levels)
     if "inprocess" in args.mode:
         levels = [str(b) for b in args.batches]
-        prompts = make_prompts(max(args.batches), args.input_len)
+        prompts = make_prompts(2 + sum(args.batches), args.input_len)
         rounds = alternate([*(f"ov-{f}" for f in args.ov), *kilns], args.rounds,
                            lambda s: inprocess_round(s, args, prompts))
         med = medians(rounds, levels)

@@ -4,11 +4,13 @@
 //   acc[m, n] = sum_k a[m, k] * w[n, k]      a: [M, K] int8, w: [N, K] int8 (row-major),
 //                                            acc: [M, N] int32 (exact: K * 128 * 128 < 2^31)
 //
-// At the `amx` ISA level (the plan's code is compiled with -mamx-int8) on AMX tiles; elsewhere,
-// and for shapes the tiles do not take, ATen's _int_mm (oneDNN's s8 GEMM). Same integers
-// either way. oneDNN re-lays the weight out on every call (it has no packed copy to keep in
-// an AOTInductor plan): SmolLM2's tied lm_head (49152 x 576) took 1.6 ms at 4 rows of x and
-// 2.0 ms at 32 on an AMX Xeon, against 0.57 ms at 3 rows in the VNNI GEMV.
+// At the `amx` ISA level (the plan's code is compiled with -mamx-int8) on AMX tiles; at the
+// VNNI levels below it on vpdpbusd in the same plan (vnni_rows16); for shapes neither takes
+// (K not a multiple of 64, N under 16 or 32), ATen's _int_mm (oneDNN's s8 GEMM). Same
+// integers every way. oneDNN re-lays the weight out on every call (it has no packed copy to
+// keep in an AOTInductor plan): SmolLM2's tied lm_head (49152 x 576) took 1.6 ms at 4 rows of
+// x and 2.0 ms at 32 on an AMX Xeon, against 0.57 ms at 3 rows in the VNNI GEMV; its w13 at 32
+// rows 256 us on a Zen 4 pair, against 161 on vpdpbusd here.
 //
 // The tiles run the weight as the A operand, so it needs no re-layout at all: a tile is 16
 // weight rows x 64 k, loaded straight from w with stride K. x is the B operand, laid out once
@@ -87,19 +89,23 @@ inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K, bool of
   const uint32_t flip = offset ? 0x80808080u : 0u;
   const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
   std::vector<int8_t> b(static_cast<size_t>(mblocks * kchunks * 1024), 0);
-  for (int64_t mb = 0; mb < mblocks; ++mb)
-    for (int64_t j = 0; j < 16 && mb * 16 + j < M; ++j) {
-      const int8_t* row = x + (mb * 16 + j) * K;
-      for (int64_t c = 0; c < kchunks; ++c) {
-        int8_t* tile = b.data() + (mb * kchunks + c) * 1024;
-        for (int p = 0; p < 16; ++p) {
-          uint32_t v;
-          std::memcpy(&v, row + c * 64 + p * 4, 4);
-          v ^= flip;
-          std::memcpy(tile + p * 64 + j * 4, &v, 4);
+  // blocks of x rows in parallel (a prefill's x: hundreds of KiB of 4-byte moves)
+  const int64_t chunk = kiln::chunk_items(mblocks, 16 * K, 64 * 1024);
+  kiln::parallel_chunks(mblocks, chunk, [&](int64_t b0, int64_t b1) {
+    for (int64_t mb = b0; mb < b1; ++mb)
+      for (int64_t j = 0; j < 16 && mb * 16 + j < M; ++j) {
+        const int8_t* row = x + (mb * 16 + j) * K;
+        for (int64_t c = 0; c < kchunks; ++c) {
+          int8_t* tile = b.data() + (mb * kchunks + c) * 1024;
+          for (int p = 0; p < 16; ++p) {
+            uint32_t v;
+            std::memcpy(&v, row + c * 64 + p * 4, 4);
+            v ^= flip;
+            std::memcpy(tile + p * 64 + j * 4, &v, 4);
+          }
         }
       }
-    }
+  });
   return b;
 }
 
@@ -340,7 +346,7 @@ inline void scalar_rows(const int8_t* w, int64_t n0, int64_t n1, int64_t K, cons
     for (int64_t n = n0; n < n1; ++n) acc[m * N + n] = dot_scalar(x + m * K, w + n * K, 0, K);
 }
 
-// Whether int8_gemm runs on AMX tiles for these shapes (else _int_mm). for these shapes (else _int_mm).
+// Whether int8_gemm runs on AMX tiles for these shapes (else the VNNI GEMM or _int_mm).
 inline bool int8_gemm_on_tiles(int64_t M, int64_t N, int64_t K) {
 #if KILN_INT8_GEMM_AMX
   return M > 0 && N >= 32 && K >= 64 && K % 64 == 0 && amx_ready();
@@ -350,7 +356,8 @@ inline bool int8_gemm_on_tiles(int64_t M, int64_t N, int64_t K) {
 #endif
 }
 
-// Whether int8_gemm runs on the VNNI GEMM for these shapes (the vnni levels; else _int_mm).
+// Whether int8_gemm runs on the VNNI GEMM for these shapes (VNNI levels without AMX; else
+// _int_mm).
 inline bool int8_gemm_on_vnni(int64_t M, int64_t N, int64_t K) {
 #if KILN_INT8_DOT_VNNI && !KILN_INT8_GEMM_AMX
   return M > 0 && N >= 16 && K >= 64 && K % 64 == 0;

@@ -90,7 +90,8 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->numel() == N, op, ": bias has ", bias_in->numel(), " elements, expected ", N);
+    TORCH_CHECK(bias_in->numel() == N, op, ": bias has ", bias_in->numel(), " elements, expected ",
+                N);
     bias = bias_in->to(at::kFloat).contiguous();
   }
   at::Tensor out = at::empty({M, N}, x.options());

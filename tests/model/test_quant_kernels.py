@@ -276,7 +276,7 @@ def test_int4_a8_activation_groups_of_zeros_ties_and_extremes(op):
 
 @pytest.mark.parametrize("k,n", [(1, 19), (5, 3), (12, 1), (64, 7), (576, 960)])
 def test_int8_and_w8a8_at_many_rows_on_any_shape(k, n):
-    """From 4-8 (W8A8) or 3 (int8) rows of x the int8 kernels go through the batched GEMMs
+    """From 4 or 8 (W8A8) or 8 (int8) rows of x the int8 kernels go through the batched GEMMs
     (int8_gemm.h; oneDNN's _int_mm for the shapes those do not take): the same results as the
     references on every shape, tiny K and N included (a [19, 1] weight's transpose once gave
     garbage on _int_mm, with no error)."""

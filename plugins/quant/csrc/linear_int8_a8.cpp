@@ -9,9 +9,10 @@
 // scaled into y as it is stored (StoreScaled): AMX tiles at the amx level, from 4 rows; the
 // vpdpbusd GEMM at the VNNI levels, from 8 rows. SmolLM2's w13 (3072 x 576), 2 threads, Zen 4,
 // best of 7 (bench/linear_kernels.py), rows of x: dot tiles / this GEMM (us): 4: 51 / 79,
-// 8: 86 / 85, 12: 122 / 101, 16: 198 / 101, 32: 320 / 165. oneDNN's _int_mm (which lays the
-// weight out again on every call) took 256 at 32 rows there; it stays for the shapes the
-// GEMMs do not take (K not a multiple of 64), from 4 rows. All give the same integers.
+// 8: 86 / 85, 12: 122 / 101, 16: 198 / 101, 32: 320 / 165. With oneDNN's _int_mm (165 us
+// alone at 32 rows there) and a second pass scaling its int32 [M, N] the op took 256; _int_mm
+// stays for the shapes the GEMMs do not take (K not a multiple of 64), from 4 rows. All give
+// the same integers.
 // Only where oneDNN has int8 micro-kernels (VNNI, AMX): on an AVX2-only host ATen's _int_mm
 // falls back to a scalar loop, 0.06-0.17 GMAC/s on a Zen 2 core against the AVX2 dot
 // products' tens, so the AVX2 and scalar levels keep every M on int8_dot.h's tiles (the

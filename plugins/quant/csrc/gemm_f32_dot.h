@@ -22,6 +22,7 @@
 // so there AVX-512 builds keep BLAS (linear_float.cpp), as do builds without AVX2.
 #pragma once
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -146,8 +147,42 @@ inline void dot_gemm(const float* w, const float* x, int64_t M, int64_t K, int64
     }
   });
 }
+
+#if KILN_INT8_DOT_VNNI && !KILN_INT8_GEMM_AMX
+// The same product on int8_gemm.h's broadcast GEMM in fp32 (vnni_row_blocks, one k a dword):
+// 16 weight rows x 16 rows of x in 512-bit registers, x laid out once per call, each weight
+// broadcast from its row. Each output is the same FMA chain over k in order, then + bias, as
+// dot_gemm's: the same bits. For K a multiple of 16 and N >= 16; the last N % 16 weight rows
+// as scalar FMA chains.
+#define KILN_F32_BCAST 1
+// Where it beat the register tiles (Zen 4, 2 threads, SmolLM2's shapes): from 16 rows of x on
+// weights with K up to 1024 (w13 3072 x 576 at 16 / 32 / 128 rows 276-294 / 538-568 /
+// 2119-2190 against 335-358 / 640-676 / 2534-2663 us); with K = 1536 a 16-row block of
+// weights (96 KiB) does not stay in L1, and it ran level or slower.
+inline bool f32_bcast_takes(int64_t M, int64_t N, int64_t K) {
+  return M >= 16 && N >= 16 && K % 16 == 0 && K <= 1024;
+}
+
+inline void f32_bcast_gemm(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
+                           const float* bias, float* out) {
+  const std::vector<int8_t> b =
+      kiln_int8::pack_b(reinterpret_cast<const int8_t*>(x), M, 4 * K);
+  kiln_int8::vnni_row_blocks<kiln_int8::Dp::kF32>(reinterpret_cast<const int8_t*>(w), 4 * K,
+                                                  b.data(), M, N,
+                                                  kiln_int8::StoreF32{out, N, bias});
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = N / 16 * 16; n < N; ++n) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s = std::fma(x[m * K + k], w[n * K + k], s);
+      out[m * N + n] = s + (bias ? bias[n] : 0.0f);
+    }
+}
+#else
+#define KILN_F32_BCAST 0
+#endif
 #else
 #define KILN_F32_DOT 0
+#define KILN_F32_BCAST 0
 #endif
 
 }  // namespace kiln_gemv

@@ -90,7 +90,7 @@ inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K, bool of
   const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
   std::vector<int8_t> b(static_cast<size_t>(mblocks * kchunks * 1024), 0);
   // blocks of x rows in parallel (a prefill's x: hundreds of KiB of 4-byte moves)
-  const int64_t chunk = kiln::chunk_items(mblocks, 16 * K, 64 * 1024);
+  const int64_t chunk = kiln::chunk_items(mblocks, 16 * K, 64 << 10);
   kiln::parallel_chunks(mblocks, chunk, [&](int64_t b0, int64_t b1) {
     for (int64_t mb = b0; mb < b1; ++mb)
       for (int64_t j = 0; j < 16 && mb * 16 + j < M; ++j) {
@@ -164,11 +164,17 @@ struct StoreAcc {
 // no re-layout). The 128 * sum_k w[n, k] the offset adds is taken off per weight row. The
 // 16 rows (16 K bytes, contiguous) stay in L1 while every 16-row block of x passes over
 // them; the next task's rows are prefetched during the first pass.
+// The same loops run fp32 (kF32: gemm_f32_dot.h): K counts bytes, a dword holds one k, one
+// FMA into float32 lanes (no offset: the operands are signed).
+//
 // C of 16 weight rows (wt: 16 K bytes) and one 16-row block of x's B tiles (bt) into buf
-// (C[i][j] at buf[16 i + j]), without the offset's correction. kHalf: only the block's first
-// 8 x-rows, on 256-bit registers (half the instructions; the rest of buf is left as is).
-// With `next`, the 16 K bytes there are prefetched into L1 on the way.
-template <bool kHalf>
+// (C[i][j] at buf[16 i + j]; float32 bits for fp32), without the int8 offset's correction.
+// kHalf: only the block's first 8 x-rows, on 256-bit registers (half the instructions; the
+// rest of buf is left as is). With `next`, the 16 K bytes there are prefetched into L1 on the
+// way.
+enum class Dp { kInt8, kF32 };
+
+template <bool kHalf, Dp kDp = Dp::kInt8>
 inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8_t* next,
                        int32_t* buf) {
   using V = std::conditional_t<kHalf, __m256i, __m512i>;
@@ -202,7 +208,15 @@ inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8
             int32_t wv;
             std::memcpy(&wv, wr + r * K + 4 * q, 4);
             V& a = acc[g + r];
-            if constexpr (kHalf) a = _mm256_dpbusd_epi32(a, xv[q], _mm256_set1_epi32(wv));
+            if constexpr (kDp == Dp::kF32 && kHalf)
+              a = _mm256_castps_si256(_mm256_fmadd_ps(
+                  _mm256_castsi256_ps(xv[q]), _mm256_castsi256_ps(_mm256_set1_epi32(wv)),
+                  _mm256_castsi256_ps(a)));
+            else if constexpr (kDp == Dp::kF32)
+              a = _mm512_castps_si512(_mm512_fmadd_ps(
+                  _mm512_castsi512_ps(xv[q]), _mm512_castsi512_ps(_mm512_set1_epi32(wv)),
+                  _mm512_castsi512_ps(a)));
+            else if constexpr (kHalf) a = _mm256_dpbusd_epi32(a, xv[q], _mm256_set1_epi32(wv));
             else a = _mm512_dpbusd_epi32(a, xv[q], _mm512_set1_epi32(wv));
           }
         }
@@ -215,40 +229,58 @@ inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8
   }
 }
 
-template <class Store>
+template <Dp kDp, class Store>
 inline void vnni_rows16(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
                         const Store& store) {
   const int64_t kchunks = K / 64, mblocks = (M + 15) / 16;
   const int8_t* wt = w + n0 * K;
   alignas(64) int32_t buf[256] = {};   // (a half block leaves columns 8..15 unused)
-  __m512i off[16];   // 128 * sum_k w[n0 + i, k], what x's offset added
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int i = 0; i < 16; ++i) {
-    __m512i s = _mm512_setzero_si512();
-    for (int64_t c = 0; c < kchunks; ++c)
-      s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(wt + i * K + c * 64));
-    off[i] = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(s));
+  __m512i off[16];   // int8: 128 * sum_k w[n0 + i, k], what x's offset added
+  if constexpr (kDp == Dp::kInt8) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int i = 0; i < 16; ++i) {
+      __m512i s = _mm512_setzero_si512();
+      for (int64_t c = 0; c < kchunks; ++c)
+        s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(wt + i * K + c * 64));
+      off[i] = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(s));
+    }
   }
   for (int64_t mb = 0; mb < mblocks; ++mb) {
     const int64_t rows = std::min<int64_t>(16, M - mb * 16);
     const int8_t* next = mb == 0 ? wt + 16 * K : nullptr;
-    if (rows <= 8) vnni_block<true>(wt, K, b + mb * kchunks * 1024, next, buf);
-    else vnni_block<false>(wt, K, b + mb * kchunks * 1024, next, buf);
-    for (int i = 0; i < 16; ++i)
-      _mm512_store_si512(buf + 16 * i, _mm512_sub_epi32(_mm512_load_si512(buf + 16 * i), off[i]));
+    if (rows <= 8) vnni_block<true, kDp>(wt, K, b + mb * kchunks * 1024, next, buf);
+    else vnni_block<false, kDp>(wt, K, b + mb * kchunks * 1024, next, buf);
+    if constexpr (kDp == Dp::kInt8)
+      for (int i = 0; i < 16; ++i)
+        _mm512_store_si512(buf + 16 * i,
+                           _mm512_sub_epi32(_mm512_load_si512(buf + 16 * i), off[i]));
     store(buf, n0, mb * 16, rows);
   }
 }
 
-// Every whole block of 16 weight rows (N / 16 of them) against x's B tiles (pack_b with
-// offset), spread over the engine's threads.
-template <class Store = StoreAcc>
+// The float32 sums of a block (fp32) into y [M, N], plus the bias where there is one.
+struct StoreF32 {
+  float* y;
+  int64_t N;
+  const float* b;
+  void operator()(const int32_t* buf, int64_t n0, int64_t m0, int64_t cols_m) const {
+    const __m512 bias = b ? _mm512_loadu_ps(b + n0) : _mm512_setzero_ps();
+    transpose_tile(buf, cols_m, [&](int64_t j, __m512i col) {
+      const __m512 v = _mm512_castsi512_ps(col);
+      _mm512_storeu_ps(y + (m0 + j) * N + n0, b ? _mm512_add_ps(v, bias) : v);
+    });
+  }
+};
+
+// Every whole block of 16 weight rows (N / 16 of them) against x's B tiles (pack_b, with
+// offset for int8), spread over the engine's threads.
+template <Dp kDp = Dp::kInt8, class Store = StoreAcc>
 inline void vnni_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t M, int64_t N,
                             const Store& store) {
   const int64_t blocks = N / 16;
   const int64_t chunk = kiln::chunk_items(blocks, 1, blocks, 8);
   kiln::parallel_chunks(blocks, chunk, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) vnni_rows16(w, i * 16, K, b, M, store);
+    for (int64_t i = i0; i < i1; ++i) vnni_rows16<kDp>(w, i * 16, K, b, M, store);
   });
 }
 

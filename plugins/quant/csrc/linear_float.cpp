@@ -101,6 +101,12 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
       f32_dot_runs()) {   // a decode batch
     Prepared p = prepare(x, N, K, bias, op);
     const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+#if KILN_F32_BCAST
+    if (f32_bcast_takes(p.x.size(0), N, K)) {   // the same bits, faster on these shapes
+      f32_bcast_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());
+      return p.result(x);
+    }
+#endif
     if (N > 0) dot_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());
     return p.result(x);
   }
@@ -146,8 +152,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   // without the tiles: the same rows in bf16 on vdpbf16ps (bf16_dot.h)
   if (x.dim() == 2 && x.size(0) >= kTileMinM && K >= 32) {
     Prepared p = prepare(x, N, K, bias, op);
-    kiln_bf16::bf16_dot_gemm(p.x, d.q, N, K, p.bias.defined() ? p.bias.data_ptr<float>() : nullptr,
-                             p.out.data_ptr<float>());
+    const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+    kiln_bf16::bf16_dot_gemm(p.x, d.q, N, K, b, p.out.data_ptr<float>());
     return p.result(x);
   }
 #endif

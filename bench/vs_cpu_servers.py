@@ -215,14 +215,18 @@ def make_prompts(count: int, length: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1000, 48000) for _ in range(length)] for _ in range(count)]
 
 
-def batch_prompts(spec: dict):
-    """(None, 2 warm-up prompts), then (b, b prompts) per batch size: every run its own
-    prompts, so no timed run finds its prompts' prefixes cached by an earlier one."""
+def time_batches(spec: dict, run) -> dict:
+    """run(prompts) -> (output tokens, seconds): first on 2 warm-up prompts, then on each of
+    spec's batch sizes with prompts of its own (no timed run finds its prompts' prefixes
+    cached by an earlier one) -> {str(batch): {"output_tok_s", "output_tokens"}}."""
     prompts, at = spec["prompts"], 2
-    yield None, prompts[:2]
+    run(prompts[:2])
+    out = {}
     for b in spec["batches"]:
-        yield b, prompts[at:at + b]
+        tokens, wall = run(prompts[at:at + b])
         at += b
+        out[str(b)] = {"output_tok_s": tokens / wall, "output_tokens": tokens}
+    return out
 
 
 def child_ov(spec: dict) -> dict:
@@ -258,13 +262,7 @@ def child_ov(spec: dict) -> dict:
         wall = time.perf_counter() - t0
         return sum(len(r.m_generation_ids[0]) for r in res), wall
 
-    for b, prompts in batch_prompts(spec):
-        if b is None:
-            run(prompts)                                           # warm-up
-            continue
-        tokens, wall = run(prompts)
-        out[str(b)] = {"output_tok_s": tokens / wall, "output_tokens": tokens}
-    return out
+    return out | time_batches(spec, run)
 
 
 def child_kiln(spec: dict) -> dict:
@@ -278,7 +276,6 @@ def child_kiln(spec: dict) -> dict:
     n = spec["output_len"]
     params = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
     engine = Engine.from_plan(ROOT / spec["plan"], num_threads=threads)
-    out = {}
     try:
         def run(prompts):
             t0 = time.perf_counter()
@@ -286,15 +283,9 @@ def child_kiln(spec: dict) -> dict:
             tokens = sum(s.result().usage.completion_tokens for s in streams)
             return tokens, time.perf_counter() - t0
 
-        for b, prompts in batch_prompts(spec):
-            if b is None:
-                run(prompts)                                       # warm-up
-                continue
-            tokens, wall = run(prompts)
-            out[str(b)] = {"output_tok_s": tokens / wall, "output_tokens": tokens}
+        return time_batches(spec, run)
     finally:
         engine.shutdown()
-    return out
 
 
 def inprocess_round(system: str, args, prompts: list[list[int]]) -> dict:

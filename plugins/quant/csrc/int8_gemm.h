@@ -183,9 +183,11 @@ inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8
     if constexpr (kHalf) acc[i] = _mm256_setzero_si256();
     else acc[i] = _mm512_setzero_si512();
   }
-  // Per 64 k: x's B tile rows in two halves of 8 registers, each against the 16 weight rows
-  // in turn (one pointer stepping K: sixteen row pointers would spill out of the general
-  // registers), 8 vpdpbusd into the row's accumulator with the weights broadcast from memory.
+  // Per 64 bytes of k: x's B tile rows in two halves of 8 registers, each against the 16
+  // weight rows four at a time (one pointer stepping 4 K, the rows at + K, 2 K, 3 K from it:
+  // sixteen row pointers would spill out of the general registers), 8 vpdpbusd (FMAs) into
+  // each of the four rows' accumulators, their chains interleaved, the weights broadcast
+  // from memory.
   for (int64_t c = 0; c < K / 64; ++c) {
     if (next)
       for (int i = 0; i < 16; ++i)
@@ -399,25 +401,34 @@ inline bool int8_gemm_on_vnni(int64_t M, int64_t N, int64_t K) {
 #endif
 }
 
+#if KILN_INT8_GEMM_AMX || KILN_INT8_DOT_VNNI
+// The whole blocks of weight rows through this level's GEMM, for shapes int8_gemm_on_tiles or
+// int8_gemm_on_vnni takes: x laid out as its B tiles, each block of sums handed to store.
+// Returns the first weight row past the blocks (the caller's scalar rows, at most 31).
+template <class Store>
+inline int64_t int8_blocks(const int8_t* w, int64_t K, const int8_t* x, int64_t M, int64_t N,
+                           const Store& store) {
+#if KILN_INT8_GEMM_AMX
+  const std::vector<int8_t> b = pack_b(x, M, K);
+  amx_row_blocks(w, K, b.data(), M, N, store);
+  return N / 32 * 32;
+#else
+  const std::vector<int8_t> b = pack_b(x, M, K, /*offset=*/true);
+  vnni_row_blocks(w, K, b.data(), M, N, store);
+  return N / 16 * 16;
+#endif
+}
+#endif
+
 // -> acc [M, N] int32 (see the top of this file). oneDNN misreads the strides of a [N, 1] or
 // [1, K] weight's transpose (garbage, no error): callers keep K and N >= 8 on that path.
 inline at::Tensor int8_gemm(const int8_t* x, int64_t M, const int8_t* w, int64_t N, int64_t K) {
-#if KILN_INT8_GEMM_AMX
-  if (int8_gemm_on_tiles(M, N, K)) {
+#if KILN_INT8_GEMM_AMX || KILN_INT8_DOT_VNNI
+  if (int8_gemm_on_tiles(M, N, K) || int8_gemm_on_vnni(M, N, K)) {
     at::Tensor out = at::empty({M, N}, at::TensorOptions().dtype(at::kInt));
     int32_t* acc = out.data_ptr<int32_t>();
-    const std::vector<int8_t> b = pack_b(x, M, K);
-    amx_row_blocks(w, K, b.data(), M, N, StoreAcc{acc, N});
-    scalar_rows(w, N / 32 * 32, N, K, x, M, acc, N);
-    return out;
-  }
-#elif KILN_INT8_DOT_VNNI
-  if (int8_gemm_on_vnni(M, N, K)) {
-    at::Tensor out = at::empty({M, N}, at::TensorOptions().dtype(at::kInt));
-    int32_t* acc = out.data_ptr<int32_t>();
-    const std::vector<int8_t> b = pack_b(x, M, K, /*offset=*/true);
-    vnni_row_blocks(w, K, b.data(), M, N, StoreAcc{acc, N});
-    scalar_rows(w, N / 16 * 16, N, K, x, M, acc, N);
+    const int64_t whole = int8_blocks(w, K, x, M, N, StoreAcc{acc, N});
+    scalar_rows(w, whole, N, K, x, M, acc, N);
     return out;
   }
 #endif

@@ -105,19 +105,10 @@ at::Tensor linear_int8_a8(const at::Tensor& x_in, const at::Tensor& qweight,
   float* y = out.data_ptr<float>();
 
 #if KILN_INT8_GEMM_AMX || KILN_INT8_DOT_VNNI
-  const bool tiles = int8_gemm_on_tiles(M, N, K), vnni = int8_gemm_on_vnni(M, N, K);
-  if (M >= kGemmMinM && (tiles || vnni)) {
+  if (M >= kGemmMinM && (int8_gemm_on_tiles(M, N, K) || int8_gemm_on_vnni(M, N, K))) {
     // scaled as the blocks are stored: no int32 [M, N] and no second pass over it
     const int8_t* w = qweight.data_ptr<int8_t>();
-    const std::vector<int8_t> bt = pack_b(qx.q.data(), M, K, /*offset=*/vnni);
-    const StoreScaled store{y, N, sx, sw, b};
-    int64_t whole = N / 16 * 16;
-#if KILN_INT8_GEMM_AMX
-    amx_row_blocks(w, K, bt.data(), M, N, store);
-    whole = N / 32 * 32;
-#else
-    vnni_row_blocks(w, K, bt.data(), M, N, store);
-#endif
+    const int64_t whole = int8_blocks(w, K, qx.q.data(), M, N, StoreScaled{y, N, sx, sw, b});
     for (int64_t m = 0; m < M; ++m)   // the weight rows past the whole blocks (at most 31)
       for (int64_t n = whole; n < N; ++n)
         y[m * N + n] = std::fma(float(dot_scalar(qx.q.data() + m * K, w + n * K, 0, K)),

@@ -4,7 +4,7 @@ SmolLM2-135M attention shapes (H=9, KVH=3, D=64, 16 tokens per block), one layer
 decode at batch 1 and 32 with 512 tokens of context, and one 512-token prefill chunk; then
 the kernel's decode on a 2048-token context, global vs a sliding window of --window tokens.
 
-    python bench/paged_attention_micro.py [--threads N] [--iters N] [--window N]
+    python bench/paged_attention_micro.py [--threads N] [--iters N] [--window N] [--kv int8]
 """
 from __future__ import annotations
 
@@ -14,14 +14,15 @@ import time
 
 import torch
 
-from kiln.plugins.paged_kv import kernels
+from kiln.plugins.paged_kv import kernels, kv_format
 from kiln.plugins.paged_kv.ops import paged_attention_reference
 
 H, KVH, D, BS = 9, 3, 64, 16
 
 
-def make_inputs(seqs, dtype=torch.float32, max_seq_len=2048, seed=0):
-    """seqs: [(tokens already in the pool, tokens this step)] -> the op's arguments."""
+def make_inputs(seqs, dtype=torch.float32, max_seq_len=2048, seed=0, kv="fp32"):
+    """seqs: [(tokens already in the pool, tokens this step)] -> the op's arguments (pools of
+    `kv`: fp32, bf16, or int8 / fp8 codes + a scale per row)."""
     g = torch.Generator().manual_seed(seed)
     max_blocks = math.ceil(max_seq_len / BS)
     need = [math.ceil((c + n) / BS) for c, n in seqs]
@@ -37,10 +38,14 @@ def make_inputs(seqs, dtype=torch.float32, max_seq_len=2048, seed=0):
     T = qsl[-1]
     return (torch.randn(T, H, D, generator=g).to(dtype), torch.randn(T, KVH, D, generator=g).to(dtype),
             torch.randn(T, KVH, D, generator=g).to(dtype),
-            torch.randn(num_blocks, BS, KVH, D, generator=g).to(dtype),
-            torch.randn(num_blocks, BS, KVH, D, generator=g).to(dtype),
+            pool(torch.randn(num_blocks, BS, KVH, D, generator=g), kv),
+            pool(torch.randn(num_blocks, BS, KVH, D, generator=g), kv),
             torch.tensor(slots), bt, torch.tensor([c + n for c, n in seqs]), torch.tensor(qsl),
             1.0 / math.sqrt(D))
+
+
+def pool(x, kv):
+    return kv_format.encode(x, kv_format.storage_dtype(kv))
 
 
 def timeit(fn, args, iters):
@@ -60,27 +65,30 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--window", type=int, default=256, help="sliding window of the last cases")
+    ap.add_argument("--kv", default="fp32", choices=sorted(kv_format.ELEMENT_BYTES),
+                    help="the pools' dtype (int8 / fp8: codes and a scale per row)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kernels.load()
-    cases = {"decode b=1 ctx=512": [(511, 1)], "decode b=32 ctx=512": [(511, 1)] * 32,
-             "prefill chunk 512": [(0, 512)]}
-    print(f"threads={a.threads}  H={H} KVH={KVH} D={D} block={BS}  (one layer, fp32, best of N)")
+    cases = {"decode b=1 ctx=512": [(511, 1)], "decode b=32 ctx=192": [(191, 1)] * 32,
+             "decode b=32 ctx=512": [(511, 1)] * 32, "prefill chunk 512": [(0, 512)]}
+    print(f"threads={a.threads}  H={H} KVH={KVH} D={D} block={BS}  (one layer, fp32 q, "
+          f"{a.kv} pools, best of N)")
     print(f"{'case':<22}{'kernel ms':>11}{'reference ms':>14}{'speedup':>9}")
     for name, seqs in cases.items():
-        args = make_inputs(seqs)
+        args = make_inputs(seqs, kv=a.kv)
         tk = timeit(torch.ops.kiln.paged_attention, args, a.iters)
         tr = timeit(paged_attention_reference, args, max(3, a.iters // 4))
         print(f"{name:<22}{tk * 1e3:>11.3f}{tr * 1e3:>14.3f}{tr / tk:>8.1f}x")
-    window_cases(a.window, a.iters)
+    window_cases(a.window, a.iters, a.kv)
 
 
-def window_cases(window: int, iters: int):
+def window_cases(window: int, iters: int, kv: str):
     """Decode over a 2048-token context: every key vs the last `window` keys."""
     print(f"{'case':<22}{'global ms':>11}{f'window {window} ms':>18}{'speedup':>9}")
     for name, seqs in {"decode b=1 ctx=2048": [(2047, 1)],
                        "decode b=8 ctx=2048": [(2047, 1)] * 8}.items():
-        args = make_inputs(seqs)
+        args = make_inputs(seqs, kv=kv)
         tg = timeit(torch.ops.kiln.paged_attention, args, iters)
         tw = timeit(torch.ops.kiln.paged_attention, args + (window, 0.0), iters)
         print(f"{name:<22}{tg * 1e3:>11.3f}{tw * 1e3:>18.3f}{tg / tw:>8.1f}x")

@@ -251,7 +251,8 @@ def decode(plan_dir: str, threads: int) -> dict:
         x.sum()
     bw = 5 * x.numel() * 4 / (time.perf_counter() - t)
     out["read_GB_s"] = round(bw / 1e9, 1)
-    out["batch1_step_over_floor"] = round(out["plan_bytes"] / bw * out["decode_tok_s_1"], 2)
+    # the one-stream step (1 / tok/s) over the time the plan's bytes take at that bandwidth
+    out["batch1_step_over_floor"] = round(bw / (out["plan_bytes"] * out["decode_tok_s_1"]), 2)
     return out
 
 

@@ -98,6 +98,7 @@ def reference(ckpt, ids: list[int], window: int, text_sha: str,
 
         model = load_model(ckpt, dtype=torch.float32).eval()
         res = racc.evaluate(model, eager_layout(model, window), ids, window)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ref.")
@@ -105,8 +106,12 @@ def reference(ckpt, ids: list[int], window: int, text_sha: str,
             json.dump({"nll_sum": res.nll_sum, "count": res.count, "top1": res.top1,
                        "ppl": res.ppl}, f)
         os.replace(tmp, path)
-    except OSError:
-        pass   # an unwritable cache only costs time
+    except OSError:     # an unwritable cache (a full disk) only costs time; no partial file
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return res, False
 
 

@@ -23,7 +23,7 @@ from typing import Optional
 
 from kiln.builder.draft import (check_draft, draft_current, load_draft_spec,
                                 speculative_section)
-from kiln.builder.memory import build_refusal, peak_rss_bytes
+from kiln.builder.memory import build_refusal, disk_full, peak_rss_bytes
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, default_output, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
@@ -130,7 +130,8 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
           max_memory: Optional[int] = None, draft_plan: Optional[Path] = None) -> BuildResult:
     """Build the plan for a spec (or report it up to date). Raises SpecError/BuildError;
     BuildError before any work when the build cannot fit in memory (builder/memory.py;
-    max_memory: the bytes it may use, instead of what the machine has available). A draft
+    max_memory: the bytes it may use, instead of what the machine has available) or its plan
+    on the disk, and when the disk fills up during the build (nothing left behind). A draft
     spec the spec names is built (or found up to date) at its default output first, unless
     `draft_plan` gives its built plan (kiln ci: the stored one)."""
     t0 = time.perf_counter()
@@ -152,7 +153,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     ckpt.config = ckpt.config.for_max_seq_len(spec.limits.max_seq_len)   # LongRoPE's set
     target = resolve_target(spec)
     must_build = force or not (out / MANIFEST_FILE).is_file()   # no fingerprint to match
-    if must_build and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+    if must_build and (too_big := build_refusal(spec, ckpt, max_memory, out)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # nothing to be up to date with: the
         #                                                 weights are not even hashed
     draft = check_draft(spec, spec_path, ckpt, target, out, draft_plan)
@@ -160,7 +161,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
     if not force and (manifest := _current_manifest(out, fp)) is not None:
         return BuildResult(out, fp, False, "up to date", time.perf_counter() - t0, manifest)
 
-    if not must_build and (too_big := build_refusal(spec, ckpt, max_memory)) is not None:
+    if not must_build and (too_big := build_refusal(spec, ckpt, max_memory, out)) is not None:
         raise BuildError(f"{spec.name}: {too_big}")     # before any weight is read
     out.parent.mkdir(parents=True, exist_ok=True)
     with _output_lock(out, progress):
@@ -176,11 +177,26 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
             manifest = _build_into(tmp, spec, spec_path, ckpt, target, fp, fp_inputs, progress,
                                    draft)
             _replace_dir(tmp, out)
-        except BaseException:
+        except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
+            if (full := disk_full(e)) is not None:
+                raise BuildError(
+                    f"{spec.name}: the disk filled up while the plan was written "
+                    f"({_one_line(full)}); the partial build was removed and {out} is as it "
+                    f"was. Free space on the disk that holds {out.parent} and build again"
+                ) from e
             raise
     progress.done(f"plan written to {out}")
     return BuildResult(out, fp, True, "built", time.perf_counter() - t0, manifest)
+
+
+def _one_line(e: BaseException) -> str:
+    """An error as one short line: an OSError's strerror and file, else its first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    lines = str(e).strip().splitlines()
+    return next((ln for ln in lines if "No space" in ln or "quota" in ln.lower()),
+                lines[0] if lines else type(e).__name__)[:300]
 
 
 def _current_manifest(out: Path, fp: str):

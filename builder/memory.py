@@ -2,16 +2,21 @@
 
     peak_rss_bytes()                              the process's peak resident set so far
     estimate(config, weights, keep, whole_fp32)   -> MemoryEstimate, from shapes alone
-    build_refusal(spec, ckpt, max_memory)         the refusal of a build that cannot fit
+    build_refusal(spec, ckpt, max_memory, out)    the refusal of a build that cannot fit (in
+                                                  memory, or its plan on the disk of `out`)
+    disk_full(exc)                                the out-of-space error behind a failure
 
 The estimate reads only shapes (the family's parameter shapes, which the source's tensor
 index was checked against when the checkpoint was opened): no weight is read.
 """
 from __future__ import annotations
 
+import errno
 import os
 import resource
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 GiB = 1 << 30
@@ -250,10 +255,11 @@ def build_estimate(spec, ckpt) -> MemoryEstimate:
     return estimate(ckpt.config, p.weights, keep, whole)
 
 
-def build_refusal(spec, ckpt, max_memory: Optional[int] = None) -> Optional[str]:
+def build_refusal(spec, ckpt, max_memory: Optional[int] = None,
+                  out: Optional[Path] = None) -> Optional[str]:
     """The refusal of a build of `spec` on checkpoint `ckpt` that cannot fit in the memory it
-    may use (max_memory, else $KILN_BUILD_MAX_MEMORY, else MemAvailable); None when it
-    fits."""
+    may use (max_memory, else $KILN_BUILD_MAX_MEMORY, else MemAvailable), or whose plan
+    cannot fit on the disk that is to hold `out`; None when it fits."""
     est = build_estimate(spec, ckpt)
     try:
         limit = max_memory_override(max_memory)
@@ -261,5 +267,54 @@ def build_refusal(spec, ckpt, max_memory: Optional[int] = None) -> Optional[str]
         return str(e)
     if limit is not None:
         source = "--max-memory" if max_memory is not None else MAX_MEMORY_ENV
-        return refusal(est, limit, source)
-    return refusal(est, mem_available_bytes(), "MemAvailable in /proc/meminfo")
+        too_big = refusal(est, limit, source)
+    else:
+        too_big = refusal(est, mem_available_bytes(), "MemAvailable in /proc/meminfo")
+    return too_big or (disk_refusal(est, out) if out is not None else None)
+
+
+# Beside its weights a plan holds its engine (AOTInductor's .so: 3-5 MB from 135M to 8B
+# parameters), kernels (about 1 MB) and tokenizer (up to a few MB), and while it is built the
+# compiler's object files; the weights' estimate is approximate (a few percent).
+PLAN_FILES_BYTES = 64 << 20
+PLAN_BYTES_MARGIN = 1.05
+
+
+def plan_disk_bytes(est: MemoryEstimate) -> int:
+    """The disk a build of `est` needs for its plan while it writes it."""
+    return int(est.plan_bytes * PLAN_BYTES_MARGIN) + PLAN_FILES_BYTES
+
+
+def disk_refusal(est: MemoryEstimate, out: Path) -> Optional[str]:
+    """The refusal of a build whose plan cannot fit on the file system that is to hold `out`
+    (that of its nearest existing ancestor); None when it fits. An existing plan at `out`
+    stays until the new one replaces it, so only the free space counts."""
+    d = Path(out).absolute()
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    try:
+        free = shutil.disk_usage(d).free
+    except OSError:
+        return None
+    need = plan_disk_bytes(est)
+    if free >= need:
+        return None
+    return (f"the plan will not fit on the disk that holds {d}: it needs ~{gib(need)} "
+            f"(weights ~{gib(est.plan_bytes)}, engine, kernels and tokenizer) and "
+            f"{gib(free)} is free. Free space there, or build with --out on another disk")
+
+
+def disk_full(exc: BaseException) -> Optional[BaseException]:
+    """The out-of-space error behind `exc` along its causes, if there is one: an OSError of
+    ENOSPC or EDQUOT, or an error that quotes one (a compiler's, a C++ writer's message)."""
+    texts = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+    seen: set[int] = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+        if any(t in str(e) for t in texts):
+            return e
+        e = e.__cause__ or e.__context__
+    return None

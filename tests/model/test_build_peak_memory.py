@@ -55,6 +55,52 @@ def test_build_that_cannot_fit_is_refused_before_any_work(tiny_spec_path, tmp_pa
     assert not (tmp_path / "plans").exists()
 
 
+def test_build_whose_plan_cannot_fit_on_the_disk_is_refused_before_any_work(tiny_spec_path,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    from types import SimpleNamespace
+
+    from kiln.builder.build import BuildError
+
+    out = tmp_path / "plans" / "p"
+    monkeypatch.setattr("shutil.disk_usage",
+                        lambda path: SimpleNamespace(total=1 << 40, used=1 << 40, free=4096))
+    with pytest.raises(BuildError, match=rf"tiny-random: the plan will not fit on the disk that "
+                       rf"holds {tmp_path}: it needs ~0\.\d\d GiB \(weights ~0\.00 GiB, engine, "
+                       r"kernels and tokenizer\) and 0\.00 GiB is free"):
+        build(tiny_spec_path, out, force=True)
+    assert not (tmp_path / "plans").exists()
+
+
+def test_a_disk_filling_up_mid_build_leaves_nothing_behind_and_says_so(logged_build, tmp_path,
+                                                                       tiny_spec_path,
+                                                                       monkeypatch):
+    """ENOSPC once the engine is compiled: the partial build is removed, the plan that was at
+    the output stays as it was (it still verifies), and the error names the disk."""
+    import errno
+    import os
+    import shutil
+
+    from kiln.builder import build as build_mod
+    from kiln.builder.build import BuildError
+    from kiln.runtime.plan import load_plan
+
+    out = tmp_path / "p"
+    shutil.copytree(logged_build[0].path, out)
+    before = sorted((f.relative_to(out), f.stat().st_size) for f in out.rglob("*"))
+
+    def full(model, tmp, engine):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "weights.bin"))
+    monkeypatch.setattr(build_mod, "_share_weights", full)
+    with pytest.raises(BuildError, match=r"tiny-random: the disk filled up while the plan was "
+                       r"written \(No space left on device: .*weights\.bin\); the partial "
+                       rf"build was removed and {out} is as it was"):
+        build(tiny_spec_path, out, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]      # no .p.building-PID
+    assert sorted((f.relative_to(out), f.stat().st_size) for f in out.rglob("*")) == before
+    load_plan(out)
+
+
 def test_cli_max_memory_and_env(tiny_spec_path, tmp_path):
     import os
     import subprocess

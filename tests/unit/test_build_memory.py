@@ -99,3 +99,44 @@ def test_env_sets_the_memory_the_build_may_use(monkeypatch):
     monkeypatch.setenv(memory.MAX_MEMORY_ENV, "much")
     with pytest.raises(ValueError, match="KILN_BUILD_MAX_MEMORY='much'"):
         memory.max_memory_override(None)
+
+
+def _usage(free: int):
+    from types import SimpleNamespace
+
+    return lambda path: SimpleNamespace(total=1 << 40, used=(1 << 40) - free, free=free)
+
+
+def test_disk_refusal_gives_the_arithmetic(tmp_path, monkeypatch):
+    est = memory.estimate(_llama_1b_config(), "int4", ())
+    need = memory.plan_disk_bytes(est)
+    assert est.plan_bytes < need < est.plan_bytes * 1.1 + (64 << 20)
+    out = tmp_path / "plans" / "llama-1b"         # not there yet: its parent's disk counts
+    monkeypatch.setattr("shutil.disk_usage", _usage(100 << 20))
+    msg = memory.disk_refusal(est, out)
+    assert msg == (f"the plan will not fit on the disk that holds {tmp_path}: it needs "
+                   f"~{memory.gib(need)} (weights ~{memory.gib(est.plan_bytes)}, engine, "
+                   "kernels and tokenizer) and 0.10 GiB is free. Free space there, or build "
+                   "with --out on another disk")
+    monkeypatch.setattr("shutil.disk_usage", _usage(need))
+    assert memory.disk_refusal(est, out) is None
+
+
+def test_disk_full_is_found_along_the_causes():
+    import errno
+    import os
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/plans/p/weights.bin")
+    assert memory.disk_full(full) is full
+    try:
+        try:
+            raise full
+        except OSError as e:
+            raise RuntimeError("writing the engine failed") from e
+    except RuntimeError as e:
+        assert memory.disk_full(e) is full
+    quoted = RuntimeError("g++: fatal error: error writing to /tmp/x.o: No space left on device")
+    assert memory.disk_full(quoted) is quoted
+    assert memory.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")) is not None
+    assert memory.disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert memory.disk_full(ValueError("bad value")) is None

@@ -23,7 +23,8 @@ from typing import Optional
 
 from kiln.builder.draft import (check_draft, draft_current, load_draft_spec,
                                 speculative_section)
-from kiln.builder.memory import build_refusal, disk_full, peak_rss_bytes
+from kiln.builder.memory import (build_refusal, disk_full, gib, peak_rss_bytes,
+                                 plan_disk_bytes)
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, default_output, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
@@ -178,16 +179,36 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
                                    draft)
             _replace_dir(tmp, out)
         except BaseException as e:
+            room = _room(tmp)        # before the partial build's files are removed
             shutil.rmtree(tmp, ignore_errors=True)
-            if (full := disk_full(e)) is not None:
-                raise BuildError(
-                    f"{spec.name}: the disk filled up while the plan was written "
-                    f"({_one_line(full)}); the partial build was removed and {out} is as it "
-                    f"was. Free space on the disk that holds {out.parent} and build again"
-                ) from e
+            need = plan_disk_bytes(spec, ckpt)
+            full = disk_full(e) or (e if isinstance(e, Exception) and room is not None
+                                    and room < need else None)
+            if full is not None:
+                err = BuildError(
+                    f"{spec.name}: the disk that holds {out.parent} filled up while the plan "
+                    f"was written ({_one_line(full)}; the plan needs ~{gib(need)}, the disk "
+                    f"had room for {gib(room or 0)}); the partial build was removed and {out} "
+                    "is as it was. Free space there and build again")
+                # torch's archive writer, cut short, throws from its destructor when it is
+                # freed (std::terminate): the failure, which holds it, goes with the error,
+                # and `kiln build` exits without running finalizers
+                err.abandon_process = True
+                raise err from e
             raise
     progress.done(f"plan written to {out}")
     return BuildResult(out, fp, True, "built", time.perf_counter() - t0, manifest)
+
+
+def _room(tmp: Path) -> Optional[int]:
+    """The bytes a failed build had on its disk: what is free plus what it wrote. Less than
+    its plan needs: the disk filled up, whatever the error said (torch's archive writer
+    reports a short write as "unexpected pos", without ENOSPC)."""
+    try:
+        free = shutil.disk_usage(tmp).free
+        return free + sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+    except OSError:
+        return None
 
 
 def _one_line(e: BaseException) -> str:

@@ -4,6 +4,7 @@
     estimate(config, weights, keep, whole_fp32)   -> MemoryEstimate, from shapes alone
     build_refusal(spec, ckpt, max_memory, out)    the refusal of a build that cannot fit (in
                                                   memory, or its plan on the disk of `out`)
+    plan_disk_bytes(spec, ckpt)                   the disk its plan needs while it is written
     disk_full(exc)                                the out-of-space error behind a failure
 
 The estimate reads only shapes (the family's parameter shapes, which the source's tensor
@@ -241,7 +242,7 @@ def build_estimate(spec, ckpt) -> MemoryEstimate:
     from kiln.builder.streaming import streams
 
     p = spec.precision
-    keep = () if p.weights in ("bf16", "fp32") else tuple(p.keep_high_precision)
+    keep = _kept(spec)
     whole = "quantize" if not streams(spec, ckpt.config) else ""
     if not whole and spec.max_ppl_increase is not None:
         from kiln.builder.accuracy_reference import Gate
@@ -273,6 +274,17 @@ def build_refusal(spec, ckpt, max_memory: Optional[int] = None,
     return too_big or (disk_refusal(est, out) if out is not None else None)
 
 
+def plan_disk_bytes(spec, ckpt) -> int:
+    """The disk a build of `spec` on `ckpt` needs for its plan while it writes it."""
+    return disk_need(estimate(ckpt.config, spec.precision.weights, _kept(spec)))
+
+
+def _kept(spec) -> tuple[str, ...]:
+    """The linears a quantized spec keeps in high precision (none for a float plan)."""
+    p = spec.precision
+    return () if p.weights in ("bf16", "fp32") else tuple(p.keep_high_precision)
+
+
 # Beside its weights a plan holds its engine (AOTInductor's .so: 3-5 MB from 135M to 8B
 # parameters), kernels (about 1 MB) and tokenizer (up to a few MB), and while it is built the
 # compiler's object files; the weights' estimate is approximate (a few percent).
@@ -280,7 +292,7 @@ PLAN_FILES_BYTES = 64 << 20
 PLAN_BYTES_MARGIN = 1.05
 
 
-def plan_disk_bytes(est: MemoryEstimate) -> int:
+def disk_need(est: MemoryEstimate) -> int:
     """The disk a build of `est` needs for its plan while it writes it."""
     return int(est.plan_bytes * PLAN_BYTES_MARGIN) + PLAN_FILES_BYTES
 
@@ -296,7 +308,7 @@ def disk_refusal(est: MemoryEstimate, out: Path) -> Optional[str]:
         free = shutil.disk_usage(d).free
     except OSError:
         return None
-    need = plan_disk_bytes(est)
+    need = disk_need(est)
     if free >= need:
         return None
     return (f"the plan will not fit on the disk that holds {d}: it needs ~{gib(need)} "

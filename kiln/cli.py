@@ -3,7 +3,7 @@ so `kiln serve` / `kiln generate` run where only the runtime's dependencies are 
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -58,6 +58,11 @@ def build(spec: Path = typer.Argument(..., help="the spec YAML"),
         from kiln.builder.sources import CheckpointError  # imports torch: only on this path
 
         if isinstance(e, (CheckpointError, BuildError)):
+            if getattr(e, "abandon_process", False):   # see builder/build.py
+                typer.echo(f"error: {e}", err=True)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(1)
             _fail(str(e), 1)
         raise
     if res.rebuilt:

@@ -72,14 +72,17 @@ def test_build_whose_plan_cannot_fit_on_the_disk_is_refused_before_any_work(tiny
     assert not (tmp_path / "plans").exists()
 
 
+@pytest.mark.parametrize("error", ["enospc", "short-write"])
 def test_a_disk_filling_up_mid_build_leaves_nothing_behind_and_says_so(logged_build, tmp_path,
                                                                        tiny_spec_path,
-                                                                       monkeypatch):
-    """ENOSPC once the engine is compiled: the partial build is removed, the plan that was at
-    the output stays as it was (it still verifies), and the error names the disk."""
+                                                                       monkeypatch, error):
+    """The disk full once the engine is compiled (ENOSPC, or a writer's short write with no
+    room left, as torch's archive writer reports it): the partial build is removed, the plan
+    that was at the output stays as it was (it still verifies), and the error says so."""
     import errno
     import os
     import shutil
+    from types import SimpleNamespace
 
     from kiln.builder import build as build_mod
     from kiln.builder.build import BuildError
@@ -88,17 +91,40 @@ def test_a_disk_filling_up_mid_build_leaves_nothing_behind_and_says_so(logged_bu
     out = tmp_path / "p"
     shutil.copytree(logged_build[0].path, out)
     before = sorted((f.relative_to(out), f.stat().st_size) for f in out.rglob("*"))
+    free = [1 << 40]
+    monkeypatch.setattr("shutil.disk_usage",
+                        lambda path: SimpleNamespace(total=1 << 40, used=0, free=free[0]))
 
     def full(model, tmp, engine):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "weights.bin"))
+        free[0] = 0
+        if error == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp / "weights.bin"))
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9 vs 7")
     monkeypatch.setattr(build_mod, "_share_weights", full)
-    with pytest.raises(BuildError, match=r"tiny-random: the disk filled up while the plan was "
-                       r"written \(No space left on device: .*weights\.bin\); the partial "
-                       rf"build was removed and {out} is as it was"):
+    detail = (r"No space left on device: .*weights\.bin" if error == "enospc"
+              else r"\[enforce fail at inline_container\.cc:672\] \. unexpected pos 9 vs 7")
+    with pytest.raises(BuildError, match=rf"tiny-random: the disk that holds {tmp_path} filled "
+                       rf"up while the plan was written \({detail}; the plan needs ~0\.06 GiB, "
+                       rf"the disk had room for 0\.0\d GiB\); the partial build was removed "
+                       rf"and {out} is as it was") as e:
         build(tiny_spec_path, out, force=True)
+    assert e.value.abandon_process
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p"]      # no .p.building-PID
     assert sorted((f.relative_to(out), f.stat().st_size) for f in out.rglob("*")) == before
     load_plan(out)
+
+
+def test_other_failures_are_not_taken_for_a_full_disk(logged_build, tmp_path, tiny_spec_path,
+                                                      monkeypatch):
+    from kiln.builder import build as build_mod
+
+    def broken(model, tmp, engine):
+        raise RuntimeError("unexpected pos 9 vs 7")     # a short write with room to spare
+    monkeypatch.setattr(build_mod, "_share_weights", broken)
+    with pytest.raises(RuntimeError, match="unexpected pos") as e:
+        build(tiny_spec_path, tmp_path / "p", force=True)
+    assert type(e.value) is RuntimeError
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_cli_max_memory_and_env(tiny_spec_path, tmp_path):

@@ -109,7 +109,7 @@ def _usage(free: int):
 
 def test_disk_refusal_gives_the_arithmetic(tmp_path, monkeypatch):
     est = memory.estimate(_llama_1b_config(), "int4", ())
-    need = memory.plan_disk_bytes(est)
+    need = memory.disk_need(est)
     assert est.plan_bytes < need < est.plan_bytes * 1.1 + (64 << 20)
     out = tmp_path / "plans" / "llama-1b"         # not there yet: its parent's disk counts
     monkeypatch.setattr("shutil.disk_usage", _usage(100 << 20))

@@ -1,4 +1,4 @@
-"""The builder's memory: what it has used (peak RSS) and what a build will need.
+"""What a build uses and needs: its memory (peak RSS, the estimate) and its plan's disk.
 
     peak_rss_bytes()                              the process's peak resident set so far
     estimate(config, weights, keep, whole_fp32)   -> MemoryEstimate, from shapes alone

@@ -41,6 +41,9 @@ from kiln.contracts.manifest import BuildRecord, LoraSection
 
 class BuildError(RuntimeError):
     """A build that failed for a reason a person can act on."""
+    # the failure behind it holds an object whose finalizer aborts the process (a full disk:
+    # torch's archive writer); a command line reports the error and exits without finalizers
+    abandon_process = False
 
 
 @dataclass
@@ -191,8 +194,7 @@ def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,
                     f"had room for {gib(room or 0)}); the partial build was removed and {out} "
                     "is as it was. Free space there and build again")
                 # torch's archive writer, cut short, throws from its destructor when it is
-                # freed (std::terminate): the failure, which holds it, goes with the error,
-                # and `kiln build` exits without running finalizers
+                # freed (std::terminate); the failure, which holds it, goes with the error
                 err.abandon_process = True
                 raise err from e
             raise

@@ -58,7 +58,7 @@ def build(spec: Path = typer.Argument(..., help="the spec YAML"),
         from kiln.builder.sources import CheckpointError  # imports torch: only on this path
 
         if isinstance(e, (CheckpointError, BuildError)):
-            if getattr(e, "abandon_process", False):   # see builder/build.py
+            if getattr(e, "abandon_process", False):   # BuildError's: no finalizers
                 typer.echo(f"error: {e}", err=True)
                 sys.stdout.flush()
                 sys.stderr.flush()

@@ -23,8 +23,8 @@ from typing import Optional
 
 from kiln.builder.draft import (check_draft, draft_current, load_draft_spec,
                                 speculative_section)
-from kiln.builder.memory import (build_refusal, disk_full, gib, peak_rss_bytes,
-                                 plan_disk_bytes)
+from kiln.builder.memory import (DISK_FULL_TEXTS, build_refusal, disk_full, gib,
+                                 peak_rss_bytes, plan_disk_bytes)
 from kiln.builder.progress import Progress
 from kiln.builder.spec import Spec, SpecError, default_output, load_spec, parse_memory
 from kiln.builder.uptodate import quick_key, quick_up_to_date
@@ -214,11 +214,12 @@ def _room(tmp: Path) -> Optional[int]:
 
 
 def _one_line(e: BaseException) -> str:
-    """An error as one short line: an OSError's strerror and file, else its first line."""
+    """An error as one short line: an OSError's strerror and file, else the line quoting an
+    out-of-space error, else its first line."""
     if isinstance(e, OSError) and e.strerror:
         return f"{e.strerror}: {e.filename}" if e.filename else e.strerror
     lines = str(e).strip().splitlines()
-    return next((ln for ln in lines if "No space" in ln or "quota" in ln.lower()),
+    return next((ln for ln in lines if any(t in ln for t in DISK_FULL_TEXTS)),
                 lines[0] if lines else type(e).__name__)[:300]
 
 

@@ -316,17 +316,20 @@ def disk_refusal(est: MemoryEstimate, out: Path) -> Optional[str]:
             f"{gib(free)} is free. Free space there, or build with --out on another disk")
 
 
+# What an out-of-space error says ("No space left on device", "Disk quota exceeded").
+DISK_FULL_TEXTS = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
+
+
 def disk_full(exc: BaseException) -> Optional[BaseException]:
     """The out-of-space error behind `exc` along its causes, if there is one: an OSError of
     ENOSPC or EDQUOT, or an error that quotes one (a compiler's, a C++ writer's message)."""
-    texts = (os.strerror(errno.ENOSPC), os.strerror(errno.EDQUOT))
     seen: set[int] = set()
     e: Optional[BaseException] = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return e
-        if any(t in str(e) for t in texts):
+        if any(t in str(e) for t in DISK_FULL_TEXTS):
             return e
         e = e.__cause__ or e.__context__
     return None

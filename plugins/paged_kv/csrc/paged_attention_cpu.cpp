@@ -542,6 +542,178 @@ inline void prefetch_rows(const cache_t* p, int64_t rows, int64_t stride, int64_
     for (int64_t d = 0; d < D; d += 64 / sizeof(cache_t)) __builtin_prefetch(p + c * stride + d);
 }
 
+// ---- Decode items: one query token (nq = 1), its G rows seeing the same keys ------------
+//
+// The block path above runs the online softmax once per 16-key block: a scalar running max,
+// a rescale of O and the sums, zero fills, per block and row -- half a decode item's time on
+// SmolLM2's 3 rows x 64 dims. A decode item's rows share one key range, so here the keys go
+// in chunks of up to kChunkKeys: every score of a chunk first (each K row converted once for
+// all rows, its scale applied, the V rows' scales kept), then one softmax step per row over the
+// whole chunk (vectorized max, exp, sum), then O += P V over the chunk with O in registers.
+// The next block's rows are prefetched a few at a time while a block is scored, and the
+// block's V rows with them, for the P V pass.
+constexpr int64_t kChunkKeys = 256;
+
+struct ChunkScratch {  // per thread: a chunk's scores (4 rows) and its V rows' scales
+  float *s, *vs;
+  static constexpr int64_t kLd = kChunkKeys + 64;  // room for whole vectors past n
+  ChunkScratch() {
+    thread_local std::vector<float> buf(4 * kLd + kLd);
+    s = buf.data();
+    vs = s + 4 * kLd;
+  }
+};
+
+// Scores of the keys [k0, k0 + n) (n <= kChunkKeys) for NR rows into s[r * kLd + j]; the V
+// rows' scales into vs[j] (quantized pools).
+template <int NR, int NV, typename cache_t>
+void chunk_scores(const Problem& P, const Group& g, int64_t k0, int64_t n, int64_t hi,
+                  const cache_t* kc, const cache_t* vc, const Index& bt, const float* q,
+                  ChunkScratch& cs) {
+  const int64_t D = P.D, bs = P.bs, stride = P.cache_tok, ld = ChunkScratch::kLd;
+  for (int64_t pos = k0; pos < k0 + n;) {
+    const int64_t blk = pos / bs, in0 = pos % bs;
+    const int64_t cnt = std::min(bs - in0, k0 + n - pos);  // keys of this block in the chunk
+    const int64_t base = bt(g.b, blk) * P.cache_blk + g.kh * P.row;
+    const cache_t* kb = kc + base + in0 * stride;
+    const cache_t* vb = vc + base + in0 * stride;
+    const cache_t* kn = nullptr;
+    if ((blk + 1) * bs < hi)
+      kn = kc + bt(g.b, blk + 1) * P.cache_blk + g.kh * P.row;
+    const int64_t j0 = pos - k0;
+    for (int64_t c0 = 0; c0 < cnt; c0 += 4) {
+      if (kn) prefetch_rows(kn + (in0 + c0) * stride, 4, stride, P.row);
+      prefetch_rows(vb + c0 * stride, std::min<int64_t>(4, cnt - c0), stride, P.row);
+      Vec acc[NR][4];
+      float kscale[4];
+      for (int i = 0; i < 4; ++i) {
+        const cache_t* kr = kb + std::min(c0 + i, cnt - 1) * stride;  // past the end: unused
+        kscale[i] = pool_row_scale(kr, D);
+        Vec kv[NV];
+        for (int v = 0; v < NV; ++v) kv[v] = load_vec(kr + v * kVec);
+        for (int r = 0; r < NR; ++r) {
+          const float* qr = q + r * D;
+          Vec a = Vec::loadu(qr) * kv[0];
+          for (int v = 1; v < NV; ++v) a = at::vec::fmadd(Vec::loadu(qr + v * kVec), kv[v], a);
+          acc[r][i] = a;
+        }
+      }
+      for (int r = 0; r < NR; ++r) {
+        float out[4];
+        sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
+        float* sr = cs.s + r * ld + j0 + c0;
+        for (int i = 0; i < 4; ++i) sr[i] = out[i] * kscale[i];
+      }
+    }
+    if constexpr (kQuantized<cache_t>)
+      for (int64_t c = 0; c < cnt; ++c) cs.vs[j0 + c] = row_scale(vb + c * stride, D);
+    pos += cnt;
+  }
+}
+
+// One softmax step of a row over a chunk's n scores: (m, l) to the chunk's new max, sr[j] =
+// exp(s - max) (times the V row's scale in `mul`); returns the factor for the earlier O.
+inline float chunk_softmax(float* sr, int64_t n, const float* mul, float& m, float& l) {
+  Vec vmax(kNegInf);
+  int64_t j = 0;
+  for (; j + kVec <= n; j += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(sr + j));
+  float mx = std::max(m, at::vec::vec_reduce_all<float>(
+                             [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax));
+  for (; j < n; ++j) mx = std::max(mx, sr[j]);
+  const float corr = std::exp(m - mx);  // 0 on the first chunk (m = -inf)
+  const Vec vmx(mx);
+  Vec vsum(0.f);
+  for (j = 0; j + kVec <= n; j += kVec) {
+    const Vec e = (Vec::loadu(sr + j) - vmx).exp_u20();
+    vsum = vsum + e;
+    (mul ? e * Vec::loadu(mul + j) : e).store(sr + j);
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
+  for (; j < n; ++j) {
+    const float e = std::exp(sr[j] - mx);
+    sum += e;
+    sr[j] = mul ? e * mul[j] : e;
+  }
+  m = mx;
+  l = l * corr + sum;
+  return corr;
+}
+
+// O[r] = O[r] * corr[r] + sum_j p[r][j] V[k0 + j] over the chunk, O in registers in tiles of
+// NT vectors of D (NR * NT <= 16).
+template <int NR, int NV, int NT, typename cache_t>
+void chunk_pv(const Problem& P, const Group& g, int64_t k0, int64_t n, const cache_t* vc,
+              const Index& bt, const float* corr, const ChunkScratch& cs, float* of) {
+  const int64_t D = P.D, bs = P.bs, stride = P.cache_tok, ld = ChunkScratch::kLd;
+  for (int t = 0; t < NV; t += NT) {
+    Vec o[NR][NT];
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < NT; ++v) o[r][v] = Vec::loadu(of + r * D + (t + v) * kVec) * Vec(corr[r]);
+    for (int64_t pos = k0; pos < k0 + n;) {
+      const int64_t blk = pos / bs, in0 = pos % bs;
+      const int64_t cnt = std::min(bs - in0, k0 + n - pos);
+      const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.row + in0 * stride;
+      const float* p = cs.s + (pos - k0);
+      for (int64_t c = 0; c < cnt; ++c) {
+        const cache_t* vr = vb + c * stride + t * kVec;
+        Vec vv[NT];
+        for (int v = 0; v < NT; ++v) vv[v] = load_vec(vr + v * kVec);
+        for (int r = 0; r < NR; ++r) {
+          const Vec pc(p[r * ld + c]);
+          for (int v = 0; v < NT; ++v) o[r][v] = at::vec::fmadd(pc, vv[v], o[r][v]);
+        }
+      }
+      pos += cnt;
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int v = 0; v < NT; ++v) o[r][v].store(of + r * D + (t + v) * kVec);
+  }
+}
+
+// A decode item's keys [lo, hi) (the row's window applied) into w.of / w.m / w.l.
+template <int NR, int NV, typename cache_t>
+void decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi, const cache_t* kc,
+                 const cache_t* vc, const Index& bt, Scratch& w) {
+  constexpr int NT = NR * NV <= 16 ? NV : 4;
+  static_assert(NV % NT == 0, "O tiles must divide D");
+  const int64_t first = P.window > 0 ? std::max(lo, g.pos0 - P.window + 1) : lo;
+  ChunkScratch cs;
+  for (int64_t k0 = first; k0 < hi; k0 += kChunkKeys) {
+    const int64_t n = std::min(kChunkKeys, hi - k0);
+    chunk_scores<NR, NV>(P, g, k0, n, hi, kc, vc, bt, w.qf, cs);
+    float corr[NR];
+    for (int r = 0; r < NR; ++r) {
+      float* sr = cs.s + r * ChunkScratch::kLd;
+      if (P.softcap > 0.f) softcap_row(sr, n, P.softcap);
+      corr[r] = chunk_softmax(sr, n, kQuantized<cache_t> ? cs.vs : nullptr, w.m[r], w.l[r]);
+    }
+    chunk_pv<NR, NV, NT>(P, g, k0, n, vc, bt, corr, cs, w.of);
+  }
+}
+
+// decode_item for G = nr rows (1..4) and D = NV * kVec (NV 2, 4 or 8); false: not covered.
+template <typename cache_t>
+bool try_decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi,
+                     const cache_t* kc, const cache_t* vc, const Index& bt, Scratch& w) {
+  const int64_t nr = P.G;
+  if (g.nq != 1 || nr < 1 || nr > 4 || P.D % kVec != 0) return false;
+  auto rows = [&](auto nv_tag) {
+    constexpr int NV = decltype(nv_tag)::value;
+    switch (nr) {
+      case 1: decode_item<1, NV>(P, g, lo, hi, kc, vc, bt, w); break;
+      case 2: decode_item<2, NV>(P, g, lo, hi, kc, vc, bt, w); break;
+      case 3: decode_item<3, NV>(P, g, lo, hi, kc, vc, bt, w); break;
+      default: decode_item<4, NV>(P, g, lo, hi, kc, vc, bt, w); break;
+    }
+  };
+  switch (P.D / kVec) {
+    case 2: rows(std::integral_constant<int, 2>{}); return true;
+    case 4: rows(std::integral_constant<int, 4>{}); return true;
+    case 8: rows(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
 template <typename scalar_t, typename cache_t>
 void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t* q,
                  const cache_t* kc, const cache_t* vc, const Index& bt, scalar_t* out,
@@ -558,7 +730,8 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
   std::fill(w.m, w.m + R, kNegInf);
   std::fill(w.l, w.l + R, 0.f);
 
-  for (int64_t blk = lo / bs; blk * bs < hi; ++blk) {
+  const bool done = try_decode_item(P, g, lo, hi, kc, vc, bt, w);
+  for (int64_t blk = lo / bs; !done && blk * bs < hi; ++blk) {
     const int64_t start = blk * bs, ncols = std::min(bs, hi - start);
     const cache_t* kb = kc + bt(g.b, blk) * P.cache_blk + g.kh * P.row;
     const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.row;

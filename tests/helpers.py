@@ -202,6 +202,7 @@ HEAD_SHAPES = [             # (H, KVH, D, tokens_per_block)
     (8, 1, 48, 64),         # odd head dim, single kv head
     (12, 4, 128, 16),
     (16, 2, 48, 8),
+    (16, 2, 128, 16),       # eight query heads a kv head (Llama 3 70B, Qwen3 MoE)
     (6, 2, 36, 16),         # head dim not a multiple of the vector width / a power of two
 ]
 SEQ_SHAPES = [              # [(tokens already in the pool, tokens this step)] per batch

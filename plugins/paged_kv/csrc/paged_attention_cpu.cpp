@@ -672,45 +672,56 @@ void chunk_pv(const Problem& P, const Group& g, int64_t k0, int64_t n, const cac
   }
 }
 
-// A decode item's keys [lo, hi) (the row's window applied) into w.of / w.m / w.l.
+// The widest tile of O (vectors of D) that NR rows keep in 16 registers and that divides NV.
+constexpr int pv_tile(int NR, int NV) {
+  for (int t = NV; t > 1; --t)
+    if (NV % t == 0 && NR * t <= 16) return t;
+  return 1;
+}
+
+// Rows [r0, r0 + NR) of a decode item over its keys [lo, hi) (the row's window applied), into
+// w.of / w.m / w.l.
 template <int NR, int NV, typename cache_t>
-void decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi, const cache_t* kc,
-                 const cache_t* vc, const Index& bt, Scratch& w) {
-  constexpr int NT = NR * NV <= 16 ? NV : 4;
-  static_assert(NV % NT == 0, "O tiles must divide D");
+void decode_item(const Problem& P, const Group& g, int64_t r0, int64_t lo, int64_t hi,
+                 const cache_t* kc, const cache_t* vc, const Index& bt, Scratch& w) {
   const int64_t first = P.window > 0 ? std::max(lo, g.pos0 - P.window + 1) : lo;
+  float *m = w.m + r0, *l = w.l + r0;
   ChunkScratch cs;
   for (int64_t k0 = first; k0 < hi; k0 += kChunkKeys) {
     const int64_t n = std::min(kChunkKeys, hi - k0);
-    chunk_scores<NR, NV>(P, g, k0, n, hi, kc, vc, bt, w.qf, cs);
+    chunk_scores<NR, NV>(P, g, k0, n, hi, kc, vc, bt, w.qf + r0 * P.D, cs);
     float corr[NR];
     for (int r = 0; r < NR; ++r) {
       float* sr = cs.s + r * ChunkScratch::kLd;
       if (P.softcap > 0.f) softcap_row(sr, n, P.softcap);
-      corr[r] = chunk_softmax(sr, n, kQuantized<cache_t> ? cs.vs : nullptr, w.m[r], w.l[r]);
+      corr[r] = chunk_softmax(sr, n, kQuantized<cache_t> ? cs.vs : nullptr, m[r], l[r]);
     }
-    chunk_pv<NR, NV, NT>(P, g, k0, n, vc, bt, corr, cs, w.of);
+    chunk_pv<NR, NV, pv_tile(NR, NV)>(P, g, k0, n, vc, bt, corr, cs, w.of + r0 * P.D);
   }
 }
 
-// decode_item for G = nr rows (1..4) and D = NV * kVec (NV 2, 4 or 8); false: not covered.
+// decode_item over a decode item's G rows, four at a time (a G of 8 reads its keys twice, from
+// cache the second time), for D = NV * kVec with NV in 2, 3, 4, 6, 8; false: not covered.
 template <typename cache_t>
 bool try_decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi,
                      const cache_t* kc, const cache_t* vc, const Index& bt, Scratch& w) {
-  const int64_t nr = P.G;
-  if (g.nq != 1 || nr < 1 || nr > 4 || P.D % kVec != 0) return false;
+  if (g.nq != 1 || P.D % kVec != 0) return false;
   auto rows = [&](auto nv_tag) {
     constexpr int NV = decltype(nv_tag)::value;
-    switch (nr) {
-      case 1: decode_item<1, NV>(P, g, lo, hi, kc, vc, bt, w); break;
-      case 2: decode_item<2, NV>(P, g, lo, hi, kc, vc, bt, w); break;
-      case 3: decode_item<3, NV>(P, g, lo, hi, kc, vc, bt, w); break;
-      default: decode_item<4, NV>(P, g, lo, hi, kc, vc, bt, w); break;
+    for (int64_t r0 = 0; r0 < P.G; r0 += 4) {
+      switch (std::min<int64_t>(4, P.G - r0)) {
+        case 1: decode_item<1, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
+        case 2: decode_item<2, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
+        case 3: decode_item<3, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
+        default: decode_item<4, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
+      }
     }
   };
   switch (P.D / kVec) {
     case 2: rows(std::integral_constant<int, 2>{}); return true;
+    case 3: rows(std::integral_constant<int, 3>{}); return true;
     case 4: rows(std::integral_constant<int, 4>{}); return true;
+    case 6: rows(std::integral_constant<int, 6>{}); return true;
     case 8: rows(std::integral_constant<int, 8>{}); return true;
     default: return false;
   }

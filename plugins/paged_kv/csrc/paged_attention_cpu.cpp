@@ -10,6 +10,9 @@
 //                          first transposed to Kt[D][bs] to vectorize over the keys c)
 //            online softmax (running max m, sum l) and O[r] += p[r][c] * V[c]  (float32)
 //
+//      A decode item (one query token: its G rows see the same keys) goes by chunks of 256
+//      keys instead: every score of the chunk, one softmax step a row, then P V (decode_item).
+//
 // A layer's window (> 0) starts each query tile at the first block one of its rows can see:
 // blocks wholly before it are never read; inside a block a row's keys are [clo, nvalid). A
 // soft-cap (> 0) maps a block's scores through c * tanh(s / c) before the online softmax.

@@ -5,6 +5,10 @@ decode at batch 1 and 32 with 512 tokens of context, and one 512-token prefill c
 the kernel's decode on a 2048-token context, global vs a sliding window of --window tokens.
 
     python bench/paged_attention_micro.py [--threads N] [--iters N] [--window N] [--kv int8]
+    python bench/paged_attention_micro.py --layers 30 --kv int8 --threads 2
+
+With --layers L, the decode cases instead run over L layers of their own pools (a whole
+decode step's attention, its KV read from memory as in a plan, not from cache), ms per pass.
 """
 from __future__ import annotations
 
@@ -67,9 +71,13 @@ def main():
     ap.add_argument("--window", type=int, default=256, help="sliding window of the last cases")
     ap.add_argument("--kv", default="fp32", choices=sorted(kv_format.ELEMENT_BYTES),
                     help="the pools' dtype (int8 / fp8: codes and a scale per row)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="> 1: the decode cases over this many layers' pools (see above)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     kernels.load()
+    if a.layers > 1:
+        return step_cases(a.layers, a.iters, a.kv)
     cases = {"decode b=1 ctx=512": [(511, 1)], "decode b=32 ctx=192": [(191, 1)] * 32,
              "decode b=32 ctx=512": [(511, 1)] * 32, "prefill chunk 512": [(0, 512)]}
     print(f"threads={a.threads}  H={H} KVH={KVH} D={D} block={BS}  (one layer, fp32 q, "
@@ -81,6 +89,24 @@ def main():
         tr = timeit(paged_attention_reference, args, max(3, a.iters // 4))
         print(f"{name:<22}{tk * 1e3:>11.3f}{tr * 1e3:>14.3f}{tr / tk:>8.1f}x")
     window_cases(a.window, a.iters, a.kv)
+
+
+def step_cases(layers: int, iters: int, kv: str):
+    """Decode batches over `layers` layers' pools, best of `iters` passes over all of them."""
+    print(f"threads={torch.get_num_threads()}  H={H} KVH={KVH} D={D} block={BS}  ({layers} "
+          f"layers' pools, {kv}, best of {iters})")
+    print(f"{'case':<22}{'kernel ms':>11}{'ns a key-row':>14}")
+    for name, seqs in {"decode b=32 ctx=192": [(191, 1)] * 32,
+                       "decode b=32 ctx=512": [(511, 1)] * 32,
+                       "decode b=1 ctx=2048": [(2047, 1)]}.items():
+        args = [make_inputs(seqs, kv=kv, seed=i) for i in range(layers)]
+
+        def step(*_):
+            for x in args:
+                torch.ops.kiln.paged_attention(*x)
+        t = timeit(step, (), iters)
+        rows = layers * KVH * sum(c + n for c, n in seqs)
+        print(f"{name:<22}{t * 1e3:>11.3f}{t / rows * 1e9:>14.2f}")
 
 
 def window_cases(window: int, iters: int, kv: str):

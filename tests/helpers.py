@@ -203,6 +203,7 @@ HEAD_SHAPES = [             # (H, KVH, D, tokens_per_block)
     (12, 4, 128, 16),
     (16, 2, 48, 8),
     (16, 2, 128, 16),       # eight query heads a kv head (Llama 3 70B, Qwen3 MoE)
+    (8, 4, 256, 16),        # Gemma 2 2B's heads (head dim 256)
     (6, 2, 36, 16),         # head dim not a multiple of the vector width / a power of two
 ]
 SEQ_SHAPES = [              # [(tokens already in the pool, tokens this step)] per batch

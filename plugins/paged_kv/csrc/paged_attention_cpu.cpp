@@ -703,16 +703,18 @@ void decode_item(const Problem& P, const Group& g, int64_t r0, int64_t lo, int64
   }
 }
 
-// decode_item over a decode item's G rows, four at a time (a G of 8 reads its keys twice, from
-// cache the second time), for D = NV * kVec with NV in 2, 3, 4, 6, 8; false: not covered.
+// decode_item over a decode item's G rows, four at a time (two with D of 16 vectors, whose K
+// row takes 16 registers; a G of 8 reads its keys again, from cache), for D = NV * kVec with
+// NV in 2, 3, 4, 6, 8, 16; false: not covered.
 template <typename cache_t>
 bool try_decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi,
                      const cache_t* kc, const cache_t* vc, const Index& bt, Scratch& w) {
   if (g.nq != 1 || P.D % kVec != 0) return false;
   auto rows = [&](auto nv_tag) {
     constexpr int NV = decltype(nv_tag)::value;
-    for (int64_t r0 = 0; r0 < P.G; r0 += 4) {
-      switch (std::min<int64_t>(4, P.G - r0)) {
+    constexpr int64_t kRows = NV >= 16 ? 2 : 4;
+    for (int64_t r0 = 0; r0 < P.G; r0 += kRows) {
+      switch (std::min<int64_t>(kRows, P.G - r0)) {
         case 1: decode_item<1, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
         case 2: decode_item<2, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
         case 3: decode_item<3, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
@@ -726,6 +728,7 @@ bool try_decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi,
     case 4: rows(std::integral_constant<int, 4>{}); return true;
     case 6: rows(std::integral_constant<int, 6>{}); return true;
     case 8: rows(std::integral_constant<int, 8>{}); return true;
+    case 16: rows(std::integral_constant<int, 16>{}); return true;
     default: return false;
   }
 }

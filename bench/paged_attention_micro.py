@@ -5,7 +5,7 @@ decode at batch 1 and 32 with 512 tokens of context, and one 512-token prefill c
 the kernel's decode on a 2048-token context, global vs a sliding window of --window tokens.
 
     python bench/paged_attention_micro.py [--threads N] [--iters N] [--window N] [--kv int8]
-    python bench/paged_attention_micro.py --layers 30 --kv int8 --threads 2
+    python bench/paged_attention_micro.py --layers 30 --kv int8 --threads 2 [--heads 32,8,128]
 
 With --layers L, the decode cases instead run over L layers of their own pools (a whole
 decode step's attention, its KV read from memory as in a plan, not from cache), ms per pass.
@@ -73,7 +73,12 @@ def main():
                     help="the pools' dtype (int8 / fp8: codes and a scale per row)")
     ap.add_argument("--layers", type=int, default=1,
                     help="> 1: the decode cases over this many layers' pools (see above)")
+    ap.add_argument("--heads", default=None, metavar="H,KVH,D",
+                    help="another model's heads, e.g. 32,8,128 (Llama 3 8B), 8,4,256 (Gemma 2)")
     a = ap.parse_args()
+    if a.heads:
+        global H, KVH, D
+        H, KVH, D = (int(v) for v in a.heads.split(","))
     torch.set_num_threads(a.threads)
     kernels.load()
     if a.layers > 1:

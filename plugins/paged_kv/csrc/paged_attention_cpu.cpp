@@ -367,16 +367,59 @@ struct Scratch {
   }
 };
 
+// kt[d][c] = k[c][d] for 16 keys (zero past ncols) x D (a multiple of 16) in 16 x 16 register
+// transposes; false where it does not apply (not AVX-512, or ldk != 16).
+inline bool transpose16(const float* k, int64_t ld, int64_t ncols, int64_t D, int64_t ldk,
+                        float* kt) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (ldk != 16 || D % 16 != 0) return false;
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512 a[16], b[16];
+    for (int c = 0; c < 16; ++c)
+      a[c] = c < ncols ? _mm512_loadu_ps(k + c * ld + d0) : _mm512_setzero_ps();
+    for (int i = 0; i < 8; ++i) {   // pairs of rows interleaved by float
+      b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+      b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {   // then by pairs of floats: 4 rows x 4 d per 128-bit lane
+      const __m512d x0 = _mm512_castps_pd(b[4 * i]), x1 = _mm512_castps_pd(b[4 * i + 1]);
+      const __m512d y0 = _mm512_castps_pd(b[4 * i + 2]), y1 = _mm512_castps_pd(b[4 * i + 3]);
+      a[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, y0));
+      a[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, y0));
+      a[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, y1));
+      a[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, y1));
+    }
+    // a[4 i + q], lane L: rows 4 i .. 4 i + 3 of column 4 L + q; gather the four lanes
+    for (int q = 0; q < 4; ++q) {
+      const __m512 e0 = _mm512_shuffle_f32x4(a[q], a[4 + q], 0x44);
+      const __m512 e1 = _mm512_shuffle_f32x4(a[q], a[4 + q], 0xEE);
+      const __m512 e2 = _mm512_shuffle_f32x4(a[8 + q], a[12 + q], 0x44);
+      const __m512 e3 = _mm512_shuffle_f32x4(a[8 + q], a[12 + q], 0xEE);
+      _mm512_storeu_ps(kt + (d0 + q) * 16, _mm512_shuffle_f32x4(e0, e2, 0x88));
+      _mm512_storeu_ps(kt + (d0 + 4 + q) * 16, _mm512_shuffle_f32x4(e0, e2, 0xDD));
+      _mm512_storeu_ps(kt + (d0 + 8 + q) * 16, _mm512_shuffle_f32x4(e1, e3, 0x88));
+      _mm512_storeu_ps(kt + (d0 + 12 + q) * 16, _mm512_shuffle_f32x4(e1, e3, 0xDD));
+    }
+  }
+  return true;
+#else
+  (void)k; (void)ld; (void)ncols; (void)D; (void)ldk; (void)kt;
+  return false;
+#endif
+}
+
 // s[r][0:ncols] = Q[r] . K[c] for rows r0..R of a tile (K as float rows, stride kvstride).
 inline void block_scores(const Problem& P, int64_t r0, int64_t R, int64_t ncols,
                          const float* krows, int64_t kvstride, Scratch& w) {
   const int64_t D = P.D, ldk = P.ldk;
   if (R - r0 >= kTransposeRows) {
     // Many rows: transpose K once to [D][ldk] (zero past ncols), vectorize over keys.
-    for (int64_t c = 0; c < ncols; ++c)
-      for (int64_t d = 0; d < D; ++d) w.kt[d * ldk + c] = krows[c * kvstride + d];
-    for (int64_t c = ncols; c < ldk; ++c)
-      for (int64_t d = 0; d < D; ++d) w.kt[d * ldk + c] = 0.f;
+    if (!transpose16(krows, kvstride, ncols, D, ldk, w.kt)) {
+      for (int64_t c = 0; c < ncols; ++c)
+        for (int64_t d = 0; d < D; ++d) w.kt[d * ldk + c] = krows[c * kvstride + d];
+      for (int64_t c = ncols; c < ldk; ++c)
+        for (int64_t d = 0; d < D; ++d) w.kt[d * ldk + c] = 0.f;
+    }
     int64_t r = r0;
     for (; r + 4 <= R; r += 4) scores_rows<4>(w.qf + r * D, D, w.kt, ldk, w.s + r * ldk);
     for (; r < R; ++r) scores_rows<1>(w.qf + r * D, D, w.kt, ldk, w.s + r * ldk);

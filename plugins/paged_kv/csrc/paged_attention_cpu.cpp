@@ -452,12 +452,8 @@ inline void row_keys(const Problem& P, int64_t p, int64_t start, int64_t ncols, 
   clo = P.window > 0 ? std::max<int64_t>(0, p - P.window + 1 - start) : 0;
 }
 
-// Online softmax step of one row over n scores sr: rescale (m, l) to the new running max and
-// overwrite sr[c] with exp(s - max), times mul[c] when given (the sum adds the plain exps);
-// returns the factor the row's earlier output is to be rescaled by.
-inline float softmax_step(float* sr, int64_t n, float& m, float& l, const float* mul = nullptr) {
-  float mx = m;
-  for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
+// softmax_step's exps and sums once the new running max mx (>= m) is known.
+inline float softmax_to(float mx, float* sr, int64_t n, float& m, float& l, const float* mul) {
   const float corr = std::exp(m - mx);  // 0 on the first block this row sees (m = -inf)
   const Vec vmx(mx);
   Vec vsum(0.f);
@@ -478,6 +474,15 @@ inline float softmax_step(float* sr, int64_t n, float& m, float& l, const float*
   return corr;
 }
 
+// Online softmax step of one row over n scores sr: rescale (m, l) to the new running max and
+// overwrite sr[c] with exp(s - max), times mul[c] when given (the sum adds the plain exps);
+// returns the factor the row's earlier output is to be rescaled by.
+inline float softmax_step(float* sr, int64_t n, float& m, float& l, const float* mul = nullptr) {
+  float mx = m;
+  for (int64_t c = 0; c < n; ++c) mx = std::max(mx, sr[c]);
+  return softmax_to(mx, sr, n, m, l, mul);
+}
+
 // Online softmax step of one row (softmax_step), then o += p . V.
 inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const float* vrows,
                        int64_t vstride, int64_t D) {
@@ -495,6 +500,35 @@ inline void softmax_pv(float* sr, int64_t n, float& m, float& l, float* o, const
 // every row's output held in registers, its scale folded into the row's probabilities.
 
 
+// Scores of the keys c0 .. c0 + 3 of a block's n (its rows at stride `stride`) for NR query
+// rows q (float, D apart): s[r * ld + i] = q[r] . K[c0 + i] times the row's scale. Each key's
+// row is converted once for all NR rows (the dot products of four keys reduced together);
+// keys past n repeat the last one (their scores are not used). Inlined into its loops: a call
+// per four keys cost the decode paths 3%.
+template <int NR, int NV, typename cache_t>
+[[gnu::always_inline]] inline void scores4(const float* q, int64_t D, const cache_t* kb, int64_t stride, int64_t c0,
+                    int64_t n, float* s, int64_t ld) {
+  Vec acc[NR][4];
+  float kscale[4];
+  for (int i = 0; i < 4; ++i) {
+    const cache_t* kr = kb + std::min(c0 + i, n - 1) * stride;
+    kscale[i] = pool_row_scale(kr, D);
+    Vec kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = load_vec(kr + j * kVec);
+    for (int r = 0; r < NR; ++r) {
+      const float* qr = q + r * D;
+      Vec a = Vec::loadu(qr) * kv[0];
+      for (int j = 1; j < NV; ++j) a = at::vec::fmadd(Vec::loadu(qr + j * kVec), kv[j], a);
+      acc[r][i] = a;
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float out[4];
+    sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
+    for (int i = 0; i < 4; ++i) s[r * ld + i] = out[i] * kscale[i];
+  }
+}
+
 // Rows r0..r0+NR of a work item against one block's ncols keys (NV = D / kVec). Row r0+i
 // sees the keys [clo[i], nvalid[i]) (at least one). Updates the rows' (m, l, O) like
 // softmax_pv.
@@ -504,28 +538,8 @@ void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* cl
   const int64_t D = P.D, ldk = P.ldk, stride = P.cache_tok;
   float* s = w.s + r0 * ldk;
   float* vscale = w.kf;                   // the block's V row scales (scratch of K rows)
-  // scores: four keys at a time, each key's row converted once for all NR rows
-  for (int64_t c0 = 0; c0 < ncols; c0 += 4) {
-    Vec acc[NR][4];
-    float kscale[4];
-    for (int i = 0; i < 4; ++i) {
-      const cache_t* kr = kb + std::min(c0 + i, ncols - 1) * stride;  // past the end: discarded
-      kscale[i] = pool_row_scale(kr, D);
-      Vec kv[NV];
-      for (int j = 0; j < NV; ++j) kv[j] = load_vec(kr + j * kVec);
-      for (int r = 0; r < NR; ++r) {
-        const float* q = w.qf + (r0 + r) * D;
-        Vec a = Vec::loadu(q) * kv[0];
-        for (int j = 1; j < NV; ++j) a = at::vec::fmadd(Vec::loadu(q + j * kVec), kv[j], a);
-        acc[r][i] = a;
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      float out[4];
-      sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
-      for (int i = 0; i < 4; ++i) s[r * ldk + c0 + i] = out[i] * kscale[i];
-    }
-  }
+  for (int64_t c0 = 0; c0 < ncols; c0 += 4)
+    scores4<NR, NV>(w.qf + r0 * D, D, kb, stride, c0, ncols, s + c0, ldk);
   if (P.softcap > 0.f)
     for (int r = 0; r < NR; ++r) softcap_row(s + r * ldk, ncols, P.softcap);
   // online softmax per row; probabilities times the V row's scale, 0 outside the row's keys
@@ -632,26 +646,7 @@ void chunk_scores(const Problem& P, const Group& g, int64_t k0, int64_t n, int64
     for (int64_t c0 = 0; c0 < cnt; c0 += 4) {
       if (kn) prefetch_rows(kn + (in0 + c0) * stride, 4, stride, P.row);
       prefetch_rows(vb + c0 * stride, std::min<int64_t>(4, cnt - c0), stride, P.row);
-      Vec acc[NR][4];
-      float kscale[4];
-      for (int i = 0; i < 4; ++i) {
-        const cache_t* kr = kb + std::min(c0 + i, cnt - 1) * stride;  // past the end: unused
-        kscale[i] = pool_row_scale(kr, D);
-        Vec kv[NV];
-        for (int v = 0; v < NV; ++v) kv[v] = load_vec(kr + v * kVec);
-        for (int r = 0; r < NR; ++r) {
-          const float* qr = q + r * D;
-          Vec a = Vec::loadu(qr) * kv[0];
-          for (int v = 1; v < NV; ++v) a = at::vec::fmadd(Vec::loadu(qr + v * kVec), kv[v], a);
-          acc[r][i] = a;
-        }
-      }
-      for (int r = 0; r < NR; ++r) {
-        float out[4];
-        sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], out);
-        float* sr = cs.s + r * ld + j0 + c0;
-        for (int i = 0; i < 4; ++i) sr[i] = out[i] * kscale[i];
-      }
+      scores4<NR, NV>(q, D, kb, stride, c0, cnt, cs.s + j0 + c0, ld);
     }
     if constexpr (kQuantized<cache_t>)
       for (int64_t c = 0; c < cnt; ++c) cs.vs[j0 + c] = row_scale(vb + c * stride, D);
@@ -659,8 +654,8 @@ void chunk_scores(const Problem& P, const Group& g, int64_t k0, int64_t n, int64
   }
 }
 
-// One softmax step of a row over a chunk's n scores: (m, l) to the chunk's new max, sr[j] =
-// exp(s - max) (times the V row's scale in `mul`); returns the factor for the earlier O.
+// softmax_step over a chunk's n scores, its max found a vector at a time (a block's 16 keys
+// were quicker with the scalar chain, hundreds of keys are not).
 inline float chunk_softmax(float* sr, int64_t n, const float* mul, float& m, float& l) {
   Vec vmax(kNegInf);
   int64_t j = 0;
@@ -668,23 +663,7 @@ inline float chunk_softmax(float* sr, int64_t n, const float* mul, float& m, flo
   float mx = std::max(m, at::vec::vec_reduce_all<float>(
                              [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax));
   for (; j < n; ++j) mx = std::max(mx, sr[j]);
-  const float corr = std::exp(m - mx);  // 0 on the first chunk (m = -inf)
-  const Vec vmx(mx);
-  Vec vsum(0.f);
-  for (j = 0; j + kVec <= n; j += kVec) {
-    const Vec e = (Vec::loadu(sr + j) - vmx).exp_u20();
-    vsum = vsum + e;
-    (mul ? e * Vec::loadu(mul + j) : e).store(sr + j);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, vsum);
-  for (; j < n; ++j) {
-    const float e = std::exp(sr[j] - mx);
-    sum += e;
-    sr[j] = mul ? e * mul[j] : e;
-  }
-  m = mx;
-  l = l * corr + sum;
-  return corr;
+  return softmax_to(mx, sr, n, m, l, mul);
 }
 
 // O[r] = O[r] * corr[r] + sum_j p[r][j] V[k0 + j] over the chunk, O in registers in tiles of

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "../../csrc/parallel.h"
+#include "../../csrc/transpose16.h"
 
 #include <algorithm>
 #include <cmath>
@@ -374,32 +375,11 @@ inline bool transpose16(const float* k, int64_t ld, int64_t ncols, int64_t D, in
 #if defined(CPU_CAPABILITY_AVX512)
   if (ldk != 16 || D % 16 != 0) return false;
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
-    __m512 a[16], b[16];
+    __m512i r[16];
     for (int c = 0; c < 16; ++c)
-      a[c] = c < ncols ? _mm512_loadu_ps(k + c * ld + d0) : _mm512_setzero_ps();
-    for (int i = 0; i < 8; ++i) {   // pairs of rows interleaved by float
-      b[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
-      b[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {   // then by pairs of floats: 4 rows x 4 d per 128-bit lane
-      const __m512d x0 = _mm512_castps_pd(b[4 * i]), x1 = _mm512_castps_pd(b[4 * i + 1]);
-      const __m512d y0 = _mm512_castps_pd(b[4 * i + 2]), y1 = _mm512_castps_pd(b[4 * i + 3]);
-      a[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(x0, y0));
-      a[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(x0, y0));
-      a[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(x1, y1));
-      a[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(x1, y1));
-    }
-    // a[4 i + q], lane L: rows 4 i .. 4 i + 3 of column 4 L + q; gather the four lanes
-    for (int q = 0; q < 4; ++q) {
-      const __m512 e0 = _mm512_shuffle_f32x4(a[q], a[4 + q], 0x44);
-      const __m512 e1 = _mm512_shuffle_f32x4(a[q], a[4 + q], 0xEE);
-      const __m512 e2 = _mm512_shuffle_f32x4(a[8 + q], a[12 + q], 0x44);
-      const __m512 e3 = _mm512_shuffle_f32x4(a[8 + q], a[12 + q], 0xEE);
-      _mm512_storeu_ps(kt + (d0 + q) * 16, _mm512_shuffle_f32x4(e0, e2, 0x88));
-      _mm512_storeu_ps(kt + (d0 + 4 + q) * 16, _mm512_shuffle_f32x4(e0, e2, 0xDD));
-      _mm512_storeu_ps(kt + (d0 + 8 + q) * 16, _mm512_shuffle_f32x4(e1, e3, 0x88));
-      _mm512_storeu_ps(kt + (d0 + 12 + q) * 16, _mm512_shuffle_f32x4(e1, e3, 0xDD));
-    }
+      r[c] = c < ncols ? _mm512_loadu_si512(k + c * ld + d0) : _mm512_setzero_si512();
+    kiln::transpose16x16(r);
+    for (int d = 0; d < 16; ++d) _mm512_storeu_si512(kt + (d0 + d) * 16, r[d]);
   }
   return true;
 #else

@@ -25,6 +25,7 @@
 #include <ATen/ATen.h>
 
 #include "../../csrc/parallel.h"
+#include "../../csrc/transpose16.h"
 #include "int8_dot.h"   // dot_scalar
 
 #include <algorithm>
@@ -110,34 +111,13 @@ inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K, bool of
 }
 
 // Column j < cols_m of one C tile (stored to buf: C[i][j] at buf[16 i + j]) as one vector of
-// its 16 rows, handed to emit(j, column): a 16 x 16 transpose of int32 in registers (32-bit,
-// then 64-bit interleaves within 128-bit lanes, then two rounds of 128-bit lane shuffles).
+// its 16 rows, handed to emit(j, column): a 16 x 16 transpose of int32 in registers.
 template <class Emit>
 inline void transpose_tile(const int32_t* buf, int64_t cols_m, Emit&& emit) {
-  __m512i a[16], b[16], c[16];
-  for (int i = 0; i < 16; ++i) a[i] = _mm512_load_si512(buf + i * 16);
-  for (int k = 0; k < 8; ++k) {
-    b[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
-    b[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {   // c[4k + q], lane L: rows 4k..4k+3 of column 4L + q
-    c[4 * k + 0] = _mm512_unpacklo_epi64(b[4 * k], b[4 * k + 2]);
-    c[4 * k + 1] = _mm512_unpackhi_epi64(b[4 * k], b[4 * k + 2]);
-    c[4 * k + 2] = _mm512_unpacklo_epi64(b[4 * k + 1], b[4 * k + 3]);
-    c[4 * k + 3] = _mm512_unpackhi_epi64(b[4 * k + 1], b[4 * k + 3]);
-  }
-  for (int q = 0; q < 4; ++q) {   // column 4L + q: lane L of c[q], c[4 + q], c[8 + q], c[12 + q]
-    const __m512i d0 = _mm512_shuffle_i32x4(c[q], c[4 + q], 0x44);
-    const __m512i d1 = _mm512_shuffle_i32x4(c[q], c[4 + q], 0xEE);
-    const __m512i d2 = _mm512_shuffle_i32x4(c[8 + q], c[12 + q], 0x44);
-    const __m512i d3 = _mm512_shuffle_i32x4(c[8 + q], c[12 + q], 0xEE);
-    const __m512i col[4] = {_mm512_shuffle_i32x4(d0, d2, 0x88), _mm512_shuffle_i32x4(d0, d2, 0xDD),
-                            _mm512_shuffle_i32x4(d1, d3, 0x88), _mm512_shuffle_i32x4(d1, d3, 0xDD)};
-    for (int L = 0; L < 4; ++L) {
-      const int64_t j = 4 * L + q;
-      if (j < cols_m) emit(j, col[L]);
-    }
-  }
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(buf + i * 16);
+  kiln::transpose16x16(r);
+  for (int64_t j = 0; j < cols_m; ++j) emit(j, r[j]);
 }
 
 // acc[m0 + j, n0 + i] = C[i][j] for the first cols_m columns of one C tile: the tiles' store

@@ -300,11 +300,24 @@ def test_compiles_run_on_their_own_bounded_pool_and_a_caller_that_leaves_withdra
 def test_a_compile_past_its_deadline_is_refused_and_cached_for_the_next_caller():
     cache = GrammarCache(TOK.to_json(), EOS, V, GuidedLimits(compile_threads=1,
                                                              compile_timeout_s=1e-9))
+    started, release = threading.Event(), threading.Event()
+    compile_ = cache._compile
+
+    def held(g):                      # the compile runs until the callers have left
+        started.set()
+        assert release.wait(60)
+        return compile_(g)
+
+    cache._compile = held
     g = GuidedDecoding.json_schema({"type": "object", "properties": {
         f"k{i}": {"type": "string", "maxLength": 9} for i in range(200)}})
+    first = cache.submit(g)
+    assert started.wait(60)           # compiling: a started compile outlives its callers
     with pytest.raises(ValueError) as e:
-        cache.guide(g)
+        cache.guide(g)                # joins it, and its deadline passes
     assert "--guided-compile-timeout" in str(e.value)
+    assert first.cancel()             # the first caller leaves too
+    release.set()
     _drain(cache)
     assert cache.guide(g).matcher is not None                 # from the cache: no wait
     cache.close()

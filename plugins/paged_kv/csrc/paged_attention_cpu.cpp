@@ -554,28 +554,35 @@ void decode_block(const Problem& P, int64_t r0, int64_t ncols, const int64_t* cl
     for (int j = 0; j < NV; ++j) o[r][j].store(w.of + (r0 + r) * D + j * kVec);
 }
 
+// The decode kernels' dispatch to their compile-time shapes: f(nv_tag) with NV = nv, one of
+// NVs (false: none is), and f(nr_tag) with NR = nr in 1..4.
+template <int... NVs, class F>
+inline bool with_nv(int64_t nv, F&& f) {
+  return ((nv == NVs && (f(std::integral_constant<int, NVs>{}), true)) || ...);
+}
+
+template <class F>
+inline void with_rows(int64_t nr, F&& f) {
+  switch (nr) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
 // decode_block for nr rows (1..4) and D = NV * kVec (NV 2, 4 or 8); false: not covered.
 template <typename cache_t>
 bool try_decode_block(const Problem& P, int64_t r0, int64_t nr, int64_t ncols,
                       const int64_t* clo, const int64_t* nvalid, const cache_t* kb,
                       const cache_t* vb, Scratch& w) {
   if (nr < 1 || nr > 4 || P.D % kVec != 0) return false;
-  const int64_t nv = P.D / kVec;
-  auto rows = [&](auto nv_tag) {
-    constexpr int NV = decltype(nv_tag)::value;
-    switch (nr) {
-      case 1: decode_block<1, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
-      case 2: decode_block<2, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
-      case 3: decode_block<3, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
-      default: decode_block<4, NV>(P, r0, ncols, clo, nvalid, kb, vb, w); break;
-    }
-  };
-  switch (nv) {
-    case 2: rows(std::integral_constant<int, 2>{}); return true;
-    case 4: rows(std::integral_constant<int, 4>{}); return true;
-    case 8: rows(std::integral_constant<int, 8>{}); return true;
-    default: return false;
-  }
+  return with_nv<2, 4, 8>(P.D / kVec, [&](auto nv_tag) {
+    with_rows(nr, [&](auto nr_tag) {
+      decode_block<decltype(nr_tag)::value, decltype(nv_tag)::value>(P, r0, ncols, clo, nvalid,
+                                                                     kb, vb, w);
+    });
+  });
 }
 
 template <typename cache_t>
@@ -712,27 +719,14 @@ template <typename cache_t>
 bool try_decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi,
                      const cache_t* kc, const cache_t* vc, const Index& bt, Scratch& w) {
   if (g.nq != 1 || P.D % kVec != 0) return false;
-  auto rows = [&](auto nv_tag) {
+  return with_nv<2, 3, 4, 6, 8, 16>(P.D / kVec, [&](auto nv_tag) {
     constexpr int NV = decltype(nv_tag)::value;
     constexpr int64_t kRows = NV >= 16 ? 2 : 4;
-    for (int64_t r0 = 0; r0 < P.G; r0 += kRows) {
-      switch (std::min<int64_t>(kRows, P.G - r0)) {
-        case 1: decode_item<1, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
-        case 2: decode_item<2, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
-        case 3: decode_item<3, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
-        default: decode_item<4, NV>(P, g, r0, lo, hi, kc, vc, bt, w); break;
-      }
-    }
-  };
-  switch (P.D / kVec) {
-    case 2: rows(std::integral_constant<int, 2>{}); return true;
-    case 3: rows(std::integral_constant<int, 3>{}); return true;
-    case 4: rows(std::integral_constant<int, 4>{}); return true;
-    case 6: rows(std::integral_constant<int, 6>{}); return true;
-    case 8: rows(std::integral_constant<int, 8>{}); return true;
-    case 16: rows(std::integral_constant<int, 16>{}); return true;
-    default: return false;
-  }
+    for (int64_t r0 = 0; r0 < P.G; r0 += kRows)
+      with_rows(std::min<int64_t>(kRows, P.G - r0), [&](auto nr_tag) {
+        decode_item<decltype(nr_tag)::value, NV>(P, g, r0, lo, hi, kc, vc, bt, w);
+      });
+  });
 }
 
 template <typename scalar_t, typename cache_t>

@@ -50,6 +50,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 // The tile path's rows beyond whole tiles, and its float order, are the VNNI tiles'.
@@ -439,16 +440,17 @@ at::Tensor run(const char* op, const at::Tensor& x_in, const at::Tensor& qweight
   }
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
-    std::vector<int8_t> xq(M * ND * K);
-    std::vector<float> sx(M * G), cx(M * G);
+    // every element is written below: no zeroing (a memset of M * K bytes a call)
+    std::unique_ptr<int8_t[]> xq(new int8_t[M * ND * K]);
+    std::unique_ptr<float[]> sx(new float[M * G]), cx(new float[M * G]);
     const float* xp = x.data_ptr<float>();
     at::parallel_for(0, M, std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)),
                      [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
-        quantize_groups<ND>(xp + m * K, K, xq.data() + m * ND * K, sx.data() + m * G,
-                            cx.data() + m * G);
+        quantize_groups<ND>(xp + m * K, K, xq.get() + m * ND * K, sx.get() + m * G,
+                            cx.get() + m * G);
     });
-    const Args a{xq.data(), sx.data(), cx.data(), qweight.data_ptr<uint8_t>(),
+    const Args a{xq.get(), sx.get(), cx.get(), qweight.data_ptr<uint8_t>(),
                  reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()),
                  bias.defined() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), K, G, N};

@@ -42,7 +42,7 @@ inline void bf16_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t
   const at::Tensor xb = x.to(at::kBFloat16).contiguous();
   const int8_t* xbytes = static_cast<const int8_t*>(xb.data_ptr());
   const int8_t* wbytes = reinterpret_cast<const int8_t*>(w);
-  const std::vector<int8_t> b = kiln_int8::pack_b(xbytes, M, 2 * K);
+  const kiln_int8::BTiles b = kiln_int8::pack_b(xbytes, M, 2 * K);
   kiln_int8::amx_row_blocks<true>(wbytes, 2 * K, b.data(), M, N,
                                   kiln_int8::StoreAcc{reinterpret_cast<int32_t*>(out), N});
   // the last N % 32 weight rows (at most 31): float sums of the same bf16 products

@@ -165,7 +165,7 @@ inline bool f32_bcast_takes(int64_t M, int64_t N, int64_t K) {
 
 inline void f32_bcast_gemm(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
                            const float* bias, float* out) {
-  const std::vector<int8_t> b =
+  const kiln_int8::BTiles b =
       kiln_int8::pack_b(reinterpret_cast<const int8_t*>(x), M, 4 * K);
   kiln_int8::vnni_row_blocks<kiln_int8::Dp::kF32>(reinterpret_cast<const int8_t*>(w), 4 * K,
                                                   b.data(), M, N,

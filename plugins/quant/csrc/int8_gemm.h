@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -86,22 +87,31 @@ inline const TileConfig& tile_config() {
 // holds, for x-rows j = 0..15, the 4 bytes x[16 b + j, 64 c + 4 p .. + 3] (zeros past M).
 // In bytes, so a bf16 x (K = 2 x its elements) packs the same way: 2 k a dword. With
 // `offset`, x's bytes are stored as unsigned, x + 128 (the VNNI GEMM's u8 operand).
-inline std::vector<int8_t> pack_b(const int8_t* x, int64_t M, int64_t K, bool offset = false) {
+// Each byte is written once: rows past M as zeros, so the buffer is not zeroed first.
+struct BTiles {
+  std::unique_ptr<int8_t[]> bytes;
+  const int8_t* data() const { return bytes.get(); }
+};
+
+inline BTiles pack_b(const int8_t* x, int64_t M, int64_t K, bool offset = false) {
   const uint32_t flip = offset ? 0x80808080u : 0u;
   const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
-  std::vector<int8_t> b(static_cast<size_t>(mblocks * kchunks * 1024), 0);
+  BTiles b{std::unique_ptr<int8_t[]>(new int8_t[mblocks * kchunks * 1024])};
   // blocks of x rows in parallel (a prefill's x: hundreds of KiB of 4-byte moves)
   const int64_t chunk = kiln::chunk_items(mblocks, 16 * K, 64 << 10);
   kiln::parallel_chunks(mblocks, chunk, [&](int64_t b0, int64_t b1) {
     for (int64_t mb = b0; mb < b1; ++mb)
-      for (int64_t j = 0; j < 16 && mb * 16 + j < M; ++j) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const bool past = mb * 16 + j >= M;
         const int8_t* row = x + (mb * 16 + j) * K;
         for (int64_t c = 0; c < kchunks; ++c) {
-          int8_t* tile = b.data() + (mb * kchunks + c) * 1024;
+          int8_t* tile = b.bytes.get() + (mb * kchunks + c) * 1024;
           for (int p = 0; p < 16; ++p) {
-            uint32_t v;
-            std::memcpy(&v, row + c * 64 + p * 4, 4);
-            v ^= flip;
+            uint32_t v = 0;
+            if (!past) {
+              std::memcpy(&v, row + c * 64 + p * 4, 4);
+              v ^= flip;
+            }
             std::memcpy(tile + p * 64 + j * 4, &v, 4);
           }
         }
@@ -389,11 +399,11 @@ template <class Store>
 inline int64_t int8_blocks(const int8_t* w, int64_t K, const int8_t* x, int64_t M, int64_t N,
                            const Store& store) {
 #if KILN_INT8_GEMM_AMX
-  const std::vector<int8_t> b = pack_b(x, M, K);
+  const BTiles b = pack_b(x, M, K);
   amx_row_blocks(w, K, b.data(), M, N, store);
   return N / 32 * 32;
 #else
-  const std::vector<int8_t> b = pack_b(x, M, K, /*offset=*/true);
+  const BTiles b = pack_b(x, M, K, /*offset=*/true);
   vnni_row_blocks(w, K, b.data(), M, N, store);
   return N / 16 * 16;
 #endif

@@ -103,7 +103,7 @@ inline BTiles pack_b(const int8_t* x, int64_t M, int64_t K, bool offset = false)
     for (int64_t mb = b0; mb < b1; ++mb)
       for (int64_t j = 0; j < 16; ++j) {
         const bool past = mb * 16 + j >= M;
-        const int8_t* row = x + (mb * 16 + j) * K;
+        const int8_t* row = past ? nullptr : x + (mb * 16 + j) * K;
         for (int64_t c = 0; c < kchunks; ++c) {
           int8_t* tile = b.bytes.get() + (mb * kchunks + c) * 1024;
           for (int p = 0; p < 16; ++p) {

@@ -32,6 +32,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
+#include "../../csrc/hsum4.h"
 #include "../../csrc/parallel.h"
 #include "../../csrc/transpose16.h"
 
@@ -155,15 +156,7 @@ inline float pool_row_scale(const cache_t* row, int64_t D) {
 // out[0:4] = the four vectors' sums.
 inline void sum4(const Vec& s0, const Vec& s1, const Vec& s2, const Vec& s3, float* out) {
 #if defined(CPU_CAPABILITY_AVX512)
-  // interleave-and-add to [s0, s1, s2, s3] partial sums in each 128-bit lane, then the lanes
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(s0, s1), _mm512_unpackhi_ps(s0, s1));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(s2, s3), _mm512_unpackhi_ps(s2, s3));
-  const __m512 u = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  _mm_storeu_ps(out, kiln::hsum4_ps(s0, s1, s2, s3));
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));

@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 
+#include "../../csrc/hsum4.h"
 #include "../../csrc/parallel.h"
 #include "../../csrc/prefetch.h"
 
@@ -35,18 +36,6 @@ namespace kiln_bf16 {
 constexpr int64_t kDotNB = 4;   // weight rows per tile
 constexpr int64_t kDotMB = 4;   // rows of x per tile
 constexpr int64_t kDotPrefetch = 8192;   // bytes ahead in each weight row's stream
-
-// [s0, s1, s2, s3]: the horizontal sums of a0..a3 by a transpose-and-add tree.
-inline __m128 hsum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1));
-  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1));
-  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
-                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-}
 
 inline float bf16_value(uint16_t h) { return float(c10::BFloat16(h, c10::BFloat16::from_bits())); }
 
@@ -74,7 +63,7 @@ inline void tile_dpbf16(const uint16_t* xb, const uint16_t* w, int64_t K, const 
   }
   alignas(16) float s[MR][4];
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) _mm_store_ps(s[r], hsum4_ps(a[r][0], a[r][1], a[r][2], a[r][3]));
+  for (int r = 0; r < MR; ++r) _mm_store_ps(s[r], kiln::hsum4_ps(a[r][0], a[r][1], a[r][2], a[r][3]));
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kDotNB; ++j) {
       float t = s[r][j];

@@ -18,6 +18,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "../../csrc/hsum4.h"
 #include "../../csrc/parallel.h"
 #include "../../csrc/prefetch.h"
 
@@ -163,17 +164,6 @@ inline int32_t dot_scalar(const int8_t* a, const int8_t* b, int64_t k0, int64_t 
 }
 
 #if KILN_INT8_DOT_VNNI
-// The four horizontal sums of a0..a3 as one vector [s0, s1, s2, s3]: a transpose-and-add
-// tree (about a third of the instructions of four separate reductions).
-inline __m128i hsum4x512(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
-  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(a0, a1), _mm512_unpackhi_epi32(a0, a1));
-  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(a2, a3), _mm512_unpackhi_epi32(a2, a3));
-  // each 128-bit lane now holds [a0, a1, a2, a3] partial sums
-  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
-  const __m256i v = _mm256_add_epi32(_mm512_castsi512_si256(u), _mm512_extracti64x4_epi64(u, 1));
-  return _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-}
-
 // The weights go in as the unsigned operand, offset by 128 (w ^ 0x80 = w + 128 in u8), and
 // x as the signed one: sum_k (w + 128) x = sum_k w x + 128 sum_k x, so one sum of x per row
 // of x (QuantX::sum) removes the offset. (Offsetting x instead needs the weight rows' sums,
@@ -204,7 +194,7 @@ inline void tile_vnni(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
   alignas(16) int32_t s[MR][4];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
-    _mm_store_si128(reinterpret_cast<__m128i*>(s[r]), hsum4x512(a[r][0], a[r][1], a[r][2], a[r][3]));
+    _mm_store_si128(reinterpret_cast<__m128i*>(s[r]), kiln::hsum4_epi32(a[r][0], a[r][1], a[r][2], a[r][3]));
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kNB; ++j)
       acc[r][j] = s[r][j] - 128 * x.sum[m0 + r] +

@@ -192,6 +192,16 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
     q_off = (q_start + tok).to(tl.int64) * sq_t + head * sq_h
     q = tl.load(q_ptr + q_off[:, None] + d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
+    q_mul = tl.cast(scale, tl.float32)
+    if QUANT == 1:   # against an int8 pool, the rows of scale * q as int8 rows (ops.py)
+        q = q * q_mul
+        amax = tl.max(tl.abs(q), axis=1)[:, None]
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + 127.0, safe), 0.0)
+        code = _rne(tl.minimum(tl.maximum(q * inv, -127.0), 127.0))
+        q = code * tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
+        q_mul = tl.cast(1.0, tl.float32)
 
     m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
@@ -208,8 +218,7 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
         rows = ((blk.to(tl.int64) * BS + n % BS) * KVH + kvh) * W
         kt = _load_rows(k_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         vt = _load_rows(v_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
-        # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
-        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * tl.cast(scale, tl.float32)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * q_mul
         if SOFTCAP:
             s = _softcap(s, tl.cast(softcap, tl.float32))
         allowed = (n[None, :] <= qpos[:, None]) & n_valid[None, :]

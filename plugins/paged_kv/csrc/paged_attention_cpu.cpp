@@ -922,6 +922,73 @@ void decode_item_int(const Problem& P, const Group& g, int64_t r0, int64_t lo, i
   }
 }
 
+// ---- Prefill tiles against an int8 pool: the scores in integers -------------------------
+//
+// A tile of many rows (a chunk's tokens x G heads) meets each block once: its K codes are
+// transposed once per 16 keys into w.kt (as in chunk_scores_int), every row's codes go
+// against them four rows at a time, and the online softmax and P V stay the float path's.
+
+// s[r * ldk + 0:16] for NR rows (codes q8, D apart) against 16 keys transposed in kt
+// (NS slabs of 16 dword vectors), times the rows' and the keys' (vk) scales.
+template <int NR, int NS>
+inline void rows_scores_int(const int32_t* kt, const Scratch& w, int64_t r0, int64_t D,
+                            __m512 vk, float* s, int64_t ldk) {
+  const int32_t* qd[NR];
+  __m512i acc[NR];
+  for (int r = 0; r < NR; ++r) {
+    qd[r] = reinterpret_cast<const int32_t*>(w.q8 + (r0 + r) * D);
+    acc[r] = _mm512_setzero_si512();
+  }
+  for (int i = 0; i < 16 * NS; ++i) {
+    const __m512i k = _mm512_loadu_si512(kt + 16 * i);
+    for (int r = 0; r < NR; ++r)
+      acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(qd[r][i]));
+  }
+  for (int r = 0; r < NR; ++r) {
+    const __m512i comp = _mm512_set1_epi32(128 * w.qsum[r0 + r]);
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], comp));
+    _mm512_storeu_ps(s + r * ldk,
+                     _mm512_mul_ps(_mm512_mul_ps(sc, vk), _mm512_set1_ps(w.qs[r0 + r])));
+  }
+}
+
+// w.s[r][0:ncols] for the rows [r0, R) of a tile against a block's keys kb of an int8 pool
+// (D = 64 * NS).
+template <int NS>
+void block_scores_int(const Problem& P, int64_t r0, int64_t R, int64_t ncols, const int8_t* kb,
+                      Scratch& w) {
+  const int64_t D = P.D, ldk = P.ldk, stride = P.cache_tok;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  int32_t* kt = reinterpret_cast<int32_t*>(w.kt);   // D * ldk floats: room for ldk / 4 keys' D
+  for (int64_t c0 = 0; c0 < ncols; c0 += 16) {
+    const int64_t m = std::min<int64_t>(16, ncols - c0);
+    for (int sl = 0; sl < NS; ++sl) {
+      __m512i t[16];
+      for (int c = 0; c < 16; ++c)
+        t[c] = c < m ? _mm512_xor_si512(_mm512_loadu_si512(kb + (c0 + c) * stride + 64 * sl),
+                                        flip)
+                     : _mm512_setzero_si512();
+      kiln::transpose16x16(t);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + 256 * sl + 16 * i, t[i]);
+    }
+    alignas(64) float ks[16] = {};
+    for (int64_t c = 0; c < m; ++c) ks[c] = row_scale(kb + (c0 + c) * stride, D);
+    const __m512 vk = _mm512_load_ps(ks);
+    for (int64_t r = r0; r < R; r += 4)
+      with_rows(std::min<int64_t>(4, R - r), [&](auto nr_tag) {
+        rows_scores_int<decltype(nr_tag)::value, NS>(kt, w, r, D, vk, w.s + r * ldk + c0, ldk);
+      });
+  }
+}
+
+inline bool try_block_scores_int(const Problem& P, int64_t r0, int64_t R, int64_t ncols,
+                                 const int8_t* kb, Scratch& w) {
+  if (P.D % 64 != 0) return false;
+  return with_nv<1, 2, 4>(P.D / 64, [&](auto ns_tag) {
+    block_scores_int<decltype(ns_tag)::value>(P, r0, R, ncols, kb, w);
+  });
+}
+
 // A decode item's G rows against an int8 pool, four at a time, for D of 64, 128 or 256.
 inline bool try_decode_item_int(const Problem& P, const Group& g, int64_t lo, int64_t hi,
                                 const int8_t* kc, const int8_t* vc, const Index& bt,
@@ -996,6 +1063,11 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
     for (int64_t r = r0; r < std::min(r1, r0 + 4); ++r)
       row_keys(P, g.pos0 + r / G, start, ncols, clo[r - r0], nvalid[r - r0]);
     if (try_decode_block(P, r0, r1 - r0, ncols, clo, nvalid, kb, vb, w)) continue;
+    bool scored = false;   // an int8 pool's many-row tile: its scores in integers
+#if defined(__AVX512VNNI__)
+    if constexpr (std::is_same_v<cache_t, int8_t>)
+      scored = r1 - r0 >= kTransposeRows && try_block_scores_int(P, r0, r1, ncols, kb, w);
+#endif
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
     const float *krows = w.kf, *vrows = w.vf;
     int64_t kvstride = D;
@@ -1005,11 +1077,11 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       kvstride = P.cache_tok;
     } else {
       for (int64_t c = 0; c < ncols; ++c) {
-        load_row(kb + c * P.cache_tok, w.kf + c * D, D);
+        if (!scored) load_row(kb + c * P.cache_tok, w.kf + c * D, D);
         load_row(vb + c * P.cache_tok, w.vf + c * D, D);
       }
     }
-    block_scores(P, r0, r1, ncols, krows, kvstride, w);
+    if (!scored) block_scores(P, r0, r1, ncols, krows, kvstride, w);
     for (int64_t r = r0; r < r1; ++r) {
       int64_t c0, n;
       row_keys(P, g.pos0 + r / G, start, ncols, c0, n);

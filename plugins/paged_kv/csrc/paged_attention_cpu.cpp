@@ -752,6 +752,31 @@ void decode_item(const Problem& P, const Group& g, int64_t r0, int64_t lo, int64
 // and added to O once per chunk. The V scales are read there, not while scoring: their rows
 // were only just asked for then, and waiting on them cost the scores 10-20%.
 
+// t[c] = dword c of 16 keys (zero past m): their K codes' slab sl (64 codes at 64 * sl) as
+// k + 128, rows `stride` apart from kb, transposed 16 x 16.
+inline void transposed_codes(const int8_t* kb, int64_t stride, int64_t m, int sl,
+                             __m512i t[16]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int c = 0; c < 16; ++c)
+    t[c] = c < m ? _mm512_xor_si512(_mm512_loadu_si512(kb + c * stride + 64 * sl), flip)
+                 : _mm512_setzero_si512();
+  kiln::transpose16x16(t);
+}
+
+// The scales of 16 keys' rows (zero past m).
+inline __m512 key_scales(const int8_t* kb, int64_t stride, int64_t m, int64_t D) {
+  alignas(64) float ks[16] = {};
+  for (int64_t c = 0; c < m; ++c) ks[c] = row_scale(kb + c * stride, D);
+  return _mm512_load_ps(ks);
+}
+
+// 16 scores of a query row from its vpdpbusd sums against k + 128: (acc - 128 * sum of the
+// row's codes) * the row's scale * each key's.
+inline void store_scores(__m512i acc, int32_t qsum, float qs, __m512 vk, float* dst) {
+  const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(128 * qsum)));
+  _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_mul_ps(sc, vk), _mm512_set1_ps(qs)));
+}
+
 struct ChunkInt {  // per thread: the chunk's int16 probabilities (4 rows) and V row pointers
   int16_t* pq;
   const int8_t** vrow;
@@ -771,15 +796,8 @@ void chunk_scores_int(const Problem& P, const Group& g, int64_t k0, int64_t n, i
                       const int8_t* kc, const int8_t* vc, const Index& bt, const Scratch& w,
                       int64_t r0, ChunkScratch& cs, ChunkInt& ci) {
   const int64_t D = P.D, bs = P.bs, stride = P.cache_tok, ld = ChunkScratch::kLd;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int32_t* qd[NR];
-  __m512i comp[NR];
-  __m512 qs[NR];
-  for (int r = 0; r < NR; ++r) {
-    qd[r] = reinterpret_cast<const int32_t*>(w.q8 + (r0 + r) * D);
-    comp[r] = _mm512_set1_epi32(128 * w.qsum[r0 + r]);
-    qs[r] = _mm512_set1_ps(w.qs[r0 + r]);
-  }
+  for (int r = 0; r < NR; ++r) qd[r] = reinterpret_cast<const int32_t*>(w.q8 + (r0 + r) * D);
   for (int64_t pos = k0; pos < k0 + n;) {
     const int64_t blk = pos / bs, in0 = pos % bs;
     const int64_t cnt = std::min(bs - in0, k0 + n - pos);  // keys of this block in the chunk
@@ -799,11 +817,7 @@ void chunk_scores_int(const Problem& P, const Group& g, int64_t k0, int64_t n, i
       for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_si512();
       for (int sl = 0; sl < NS; ++sl) {
         __m512i kt[16];
-        for (int c = 0; c < 16; ++c)
-          kt[c] = c < m ? _mm512_xor_si512(_mm512_loadu_si512(kb + (c0 + c) * stride + 64 * sl),
-                                           flip)
-                        : _mm512_setzero_si512();
-        kiln::transpose16x16(kt);
+        transposed_codes(kb + c0 * stride, stride, m, sl, kt);
         for (int i = 0; i < 16; ++i) {
           if (sl == 0) {
             if (i < nk) prefetch_rows(kp + i * stride, 1, stride, P.row);
@@ -813,13 +827,9 @@ void chunk_scores_int(const Problem& P, const Group& g, int64_t k0, int64_t n, i
             acc[r] = _mm512_dpbusd_epi32(acc[r], kt[i], _mm512_set1_epi32(qd[r][16 * sl + i]));
         }
       }
-      alignas(64) float ks[16] = {};
-      for (int64_t c = 0; c < m; ++c) ks[c] = row_scale(kb + (c0 + c) * stride, D);
-      const __m512 vk = _mm512_load_ps(ks);
-      for (int r = 0; r < NR; ++r) {
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], comp[r]));
-        _mm512_storeu_ps(cs.s + r * ld + j0 + c0, _mm512_mul_ps(_mm512_mul_ps(sc, vk), qs[r]));
-      }
+      const __m512 vk = key_scales(kb + c0 * stride, stride, m, D);
+      for (int r = 0; r < NR; ++r)
+        store_scores(acc[r], w.qsum[r0 + r], w.qs[r0 + r], vk, cs.s + r * ld + j0 + c0);
     }
     for (int64_t c = 0; c < cnt; ++c) ci.vrow[j0 + c] = vb + c * stride;
     pos += cnt;
@@ -838,10 +848,10 @@ inline __m512i pv_order(bool hi) {
             : _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
 }
 
-// O[r] = O[r] * corr[r] + sum_j p[r][j] V[j] over the chunk's n keys (p: cs.s, times the V
-// rows' scales), one slab of 64 values of D at a time.
+// O[r] = O[r] * corr[r] + sum_j p[r][j] V[j] over the chunk's n keys (p: the probabilities
+// in cs.s, times their V rows' scales here), one slab of 64 values of D at a time.
 template <int NR, int NS>
-void chunk_pv_int(const Problem& P, int64_t n, const float* corr, const ChunkScratch& cs,
+void chunk_pv_int(const Problem& P, int64_t n, const float* corr, ChunkScratch& cs,
                   ChunkInt& ci, float* of) {
   const int64_t D = P.D, ld = ChunkScratch::kLd;
   float sp[NR];
@@ -944,12 +954,8 @@ inline void rows_scores_int(const int32_t* kt, const Scratch& w, int64_t r0, int
     for (int r = 0; r < NR; ++r)
       acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(qd[r][i]));
   }
-  for (int r = 0; r < NR; ++r) {
-    const __m512i comp = _mm512_set1_epi32(128 * w.qsum[r0 + r]);
-    const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], comp));
-    _mm512_storeu_ps(s + r * ldk,
-                     _mm512_mul_ps(_mm512_mul_ps(sc, vk), _mm512_set1_ps(w.qs[r0 + r])));
-  }
+  for (int r = 0; r < NR; ++r)
+    store_scores(acc[r], w.qsum[r0 + r], w.qs[r0 + r], vk, s + r * ldk);
 }
 
 // w.s[r][0:ncols] for the rows [r0, R) of a tile against a block's keys kb of an int8 pool
@@ -958,22 +964,15 @@ template <int NS>
 void block_scores_int(const Problem& P, int64_t r0, int64_t R, int64_t ncols, const int8_t* kb,
                       Scratch& w) {
   const int64_t D = P.D, ldk = P.ldk, stride = P.cache_tok;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  int32_t* kt = reinterpret_cast<int32_t*>(w.kt);   // D * ldk floats: room for ldk / 4 keys' D
+  int32_t* kt = reinterpret_cast<int32_t*>(w.kt);   // D * ldk floats: room for 16 keys' D
   for (int64_t c0 = 0; c0 < ncols; c0 += 16) {
     const int64_t m = std::min<int64_t>(16, ncols - c0);
     for (int sl = 0; sl < NS; ++sl) {
       __m512i t[16];
-      for (int c = 0; c < 16; ++c)
-        t[c] = c < m ? _mm512_xor_si512(_mm512_loadu_si512(kb + (c0 + c) * stride + 64 * sl),
-                                        flip)
-                     : _mm512_setzero_si512();
-      kiln::transpose16x16(t);
+      transposed_codes(kb + c0 * stride, stride, m, sl, t);
       for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + 256 * sl + 16 * i, t[i]);
     }
-    alignas(64) float ks[16] = {};
-    for (int64_t c = 0; c < m; ++c) ks[c] = row_scale(kb + (c0 + c) * stride, D);
-    const __m512 vk = _mm512_load_ps(ks);
+    const __m512 vk = key_scales(kb + c0 * stride, stride, m, D);
     for (int64_t r = r0; r < R; r += 4)
       with_rows(std::min<int64_t>(4, R - r), [&](auto nr_tag) {
         rows_scores_int<decltype(nr_tag)::value, NS>(kt, w, r, D, vk, w.s + r * ldk + c0, ldk);
@@ -1038,7 +1037,8 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       to_float(q + (g.t0 + j) * P.q_s0 + (g.kh * G + gg) * P.q_s1, w.qf + (j * G + gg) * D, D,
                P.scale);
   if constexpr (std::is_same_v<cache_t, int8_t>)
-    for (int64_t r = 0; r < R; ++r) quantize_q(w.qf + r * D, D, w.q8 + r * D, w.qs[r], w.qsum[r]);
+    for (int64_t r = 0; r < R; ++r)
+      quantize_q(w.qf + r * D, D, w.q8 + r * D, w.qs[r], w.qsum[r]);
   std::fill(w.of, w.of + R * D, 0.f);
   std::fill(w.m, w.m + R, kNegInf);
   std::fill(w.l, w.l + R, 0.f);

@@ -74,6 +74,18 @@ def _e4m3_bits(y):
 
 
 @triton.jit
+def _to_codes_scale(xf, top):
+    """Rows xf [N, D] on their quantization grid: (xf * top / max|row| clamped to +-top, not yet
+    rounded; max|row| [N, 1]), the reference's roundings (kv_format.encode)."""
+    amax = tl.max(tl.abs(xf), axis=1)[:, None]
+    # top / amax as one division, then a multiply: the reference's exact roundings. GPU
+    # code's `/` is an approximate division (2 ulp): div_rn rounds as IEEE and torch do
+    safe = tl.where(amax > 0, amax, 1.0)
+    inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + top, safe), 0.0)
+    return tl.minimum(tl.maximum(xf * inv, -top), top), amax
+
+
+@triton.jit
 def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: tl.constexpr,
                 BF16_FROM_F32: tl.constexpr):
     """Store tokens' rows x [BLOCK_T, D_PAD] at element offsets rows [BLOCK_T] of a pool."""
@@ -87,16 +99,11 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
             tl.store(cache_ptr + off, x.to(cache_ptr.dtype.element_ty), mask=m)
     else:
         xf = tl.where(m, x.to(tl.float32), 0.0)
-        amax = tl.max(tl.abs(xf), axis=1)[:, None]
         if QUANT == 1:
             top = 127.0
         else:
             top = 448.0
-        # top / amax as one division, then a multiply: the reference's exact roundings. GPU
-        # code's `/` is an approximate division (2 ulp): div_rn rounds as IEEE and torch do
-        safe = tl.where(amax > 0, amax, 1.0)
-        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + top, safe), 0.0)
-        y = tl.minimum(tl.maximum(xf * inv, -top), top)
+        y, amax = _to_codes_scale(xf, top)
         if QUANT == 1:
             code = _rne(y).to(tl.int32)
         else:
@@ -195,12 +202,8 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
     # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
     q_mul = tl.cast(scale, tl.float32)
     if QUANT == 1:   # against an int8 pool, the rows of scale * q as int8 rows (ops.py)
-        q = q * q_mul
-        amax = tl.max(tl.abs(q), axis=1)[:, None]
-        safe = tl.where(amax > 0, amax, 1.0)
-        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + 127.0, safe), 0.0)
-        code = _rne(tl.minimum(tl.maximum(q * inv, -127.0), 127.0))
-        q = code * tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
+        y, amax = _to_codes_scale(q * q_mul, 127.0)
+        q = _rne(y) * tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
         q_mul = tl.cast(1.0, tl.float32)
 
     m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)

@@ -384,6 +384,17 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
         scale = max(scale, ref.abs().max().item())
         starts = [s + n for s, n in zip(starts, lens)]
         lens = [1] * B
+    tol = _check_tolerance(model, engine, spec, kv_dtype, scale)
+    if not worst <= tol:
+        raise RuntimeError(f"the compiled engine disagrees with the eager model: max logit "
+                           f"difference {worst:.3g} > {tol}; this is a compiler bug, the plan "
+                           "was not written (try target.backend: eager to debug)")
+    return CheckSection(max_logit_diff=worst, tolerance=tol)
+
+
+def _check_tolerance(model, engine: EngineSection, spec, kv_dtype: str, scale: float) -> float:
+    """The largest logit difference check_engine allows between the compiled step and the eager
+    model, whose logits reach `scale`."""
     # Both sides run the same ops (quantized plans: the same kiln::linear_* kernels, loaded
     # by build_kernels), so the difference is the compiler's alone: fusion and summation
     # order, amplified by bf16 roundings of weights or K/V where those are bf16. An int8/fp8
@@ -409,21 +420,15 @@ def check_engine(model: torch.nn.Module, plan_dir: Path, engine: EngineSection, 
     # logits' scale.
     # The accuracy gate then measures the compiled plan against the float model.
     if spec.precision.activations == "int8":
-        tol = 0.2 * max(scale, 1.0)
-    elif _runs_rows16(model) or _rounds_bf16(model, engine):
-        tol = 0.25
-    elif kv_dtype == "int8":
-        tol = 0.05 * max(scale, 1.0)
-    elif kv_dtype in kv_format.QUANTIZED:
-        tol = 0.5
-    elif kv_dtype == "fp32" and spec.precision.weights == "fp32":
-        tol = 1e-3
-    elif kv_dtype == "fp32" and spec.packed_weights:
-        tol = 5e-3
-    else:
-        tol = 5e-2
-    if not worst <= tol:
-        raise RuntimeError(f"the compiled engine disagrees with the eager model: max logit "
-                           f"difference {worst:.3g} > {tol}; this is a compiler bug, the plan "
-                           "was not written (try target.backend: eager to debug)")
-    return CheckSection(max_logit_diff=worst, tolerance=tol)
+        return 0.2 * max(scale, 1.0)
+    if _runs_rows16(model) or _rounds_bf16(model, engine):
+        return 0.25
+    if kv_dtype == "int8":
+        return 0.05 * max(scale, 1.0)
+    if kv_dtype in kv_format.QUANTIZED:
+        return 0.5
+    if kv_dtype == "fp32" and spec.precision.weights == "fp32":
+        return 1e-3
+    if kv_dtype == "fp32" and spec.packed_weights:
+        return 5e-3
+    return 5e-2

@@ -35,6 +35,7 @@ from tests.server_helpers import HttpServerProcess, free_port
 # 503 with code "unavailable"): the only failure a client may retry.
 REFUSED = "accepts no new requests"
 MAX_ATTEMPTS = 20
+STREAM_DIED = "The stream is no longer in valid state"   # tritonclient's, on a dead stream
 TALLY_FIELD = {"error": "errors"}      # an Attempt's outcome -> the Tally field it counts in
 
 NGINX_CONF = """\
@@ -186,6 +187,16 @@ def grpc_attempt(url: str, model: str, prompt: str, max_tokens: int,
             if final:
                 return Attempt("completed")
     except Exception as e:     # the call itself failed (tritonclient raises its own type)
+        if STREAM_DIED in str(e):
+            # the stream ended before the request went out (a draining replica refusing the
+            # call): tritonclient raises this and hands the server's error to the callback,
+            # just after marking the stream dead
+            try:
+                _, error = events.get(timeout=10)
+                if error is not None:
+                    return _failed(str(error), tokens)
+            except queue.Empty:
+                pass
         return _failed(f"{type(e).__name__}: {e}", tokens)
     finally:
         client.stop_stream(cancel_requests=True)

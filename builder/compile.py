@@ -413,20 +413,13 @@ def _check_tolerance(model, engine: EngineSection, spec, kv_dtype: str, scale: f
     # stay float.
     # bf16 weights on AMX-BF16 tiles or AVX-512 BF16 round each linear's input to bf16 at run
     # time: an ulp there flips a rounding, 1/256 of the activation, in every layer (SmolLM2: 0.13).
-    # Against an int8 KV cache the queries are int8 rows too (plugins/paged_kv/ops.py): an ulp
-    # of a query can flip its code, 1/127 of the row's max, and a query's large channels meet
-    # the keys' large ones (SmolLM2 int8 weights, float activations: 0.335 of a scale of 32,
-    # 0.06 before the queries were quantized). Its bound is relative too: a twentieth of the
-    # logits' scale.
     # The accuracy gate then measures the compiled plan against the float model.
     if spec.precision.activations == "int8":
         return 0.2 * max(scale, 1.0)
     if _runs_rows16(model) or _rounds_bf16(model, engine):
         return 0.25
-    if kv_dtype == "int8":
-        return 0.05 * max(scale, 1.0)
     if kv_dtype in kv_format.QUANTIZED:
-        return 0.5
+        return 0.25 if kv_dtype == "int8" else 0.5
     if kv_dtype == "fp32" and spec.precision.weights == "fp32":
         return 1e-3
     if kv_dtype == "fp32" and spec.packed_weights:

@@ -24,9 +24,6 @@ see the whole block table, and a plan's layers share one table per sequence).
 
 Pools of int8 or float8_e4m3fn hold quantized rows (codes + a per-token, per-kv-head scale;
 plugins/paged_kv/kv_format.py): K/V are quantized when written and dequantized when read.
-Against an int8 pool the queries are quantized too, each (token, head) row of `scale * q`
-the way a K/V row is (int8 codes and a scale), and the scores are those rows against K:
-what integer dot products compute exactly (the CPU kernel's decode path on VNNI hosts).
 
 Kernels: the reference below is registered for CompositeExplicitAutograd (any device); a
 compiled kernel registered for a backend key (CPU, CUDA) takes precedence when loaded.
@@ -86,11 +83,7 @@ def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tab
     Qp = q.new_zeros((B, max_q, H, D), dtype=torch.float32)
     Qp[seq_ids, tok_idx] = q.float()
     Qp = Qp.view(B, max_q, KVH, G, D)
-    if k_cache.dtype == torch.int8:    # the query rows as int8 rows too: codes * their scale
-        Qp = kv_format.decode(kv_format.encode(Qp * scale, torch.int8))
-        scores = torch.einsum("bqkgd,bckd->bkgqc", Qp, K)                  # [B, KVH, G, Q, C]
-    else:
-        scores = torch.einsum("bqkgd,bckd->bkgqc", Qp, K) * scale
+    scores = torch.einsum("bqkgd,bckd->bkgqc", Qp, K) * scale              # [B, KVH, G, Q, C]
     if softcap > 0:
         scores = torch.tanh(scores / softcap) * softcap
     first_pos = (context_lens.long() - q_lens)                             # [B]

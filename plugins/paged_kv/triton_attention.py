@@ -74,18 +74,6 @@ def _e4m3_bits(y):
 
 
 @triton.jit
-def _to_codes_scale(xf, top):
-    """Rows xf [N, D] on their quantization grid: (xf * top / max|row| clamped to +-top, not yet
-    rounded; max|row| [N, 1]), the reference's roundings (kv_format.encode)."""
-    amax = tl.max(tl.abs(xf), axis=1)[:, None]
-    # top / amax as one division, then a multiply: the reference's exact roundings. GPU
-    # code's `/` is an approximate division (2 ulp): div_rn rounds as IEEE and torch do
-    safe = tl.where(amax > 0, amax, 1.0)
-    inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + top, safe), 0.0)
-    return tl.minimum(tl.maximum(xf * inv, -top), top), amax
-
-
-@triton.jit
 def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: tl.constexpr,
                 BF16_FROM_F32: tl.constexpr):
     """Store tokens' rows x [BLOCK_T, D_PAD] at element offsets rows [BLOCK_T] of a pool."""
@@ -99,11 +87,16 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
             tl.store(cache_ptr + off, x.to(cache_ptr.dtype.element_ty), mask=m)
     else:
         xf = tl.where(m, x.to(tl.float32), 0.0)
+        amax = tl.max(tl.abs(xf), axis=1)[:, None]
         if QUANT == 1:
             top = 127.0
         else:
             top = 448.0
-        y, amax = _to_codes_scale(xf, top)
+        # top / amax as one division, then a multiply: the reference's exact roundings. GPU
+        # code's `/` is an approximate division (2 ulp): div_rn rounds as IEEE and torch do
+        safe = tl.where(amax > 0, amax, 1.0)
+        inv = tl.where(amax > 0, tl.math.div_rn(tl.zeros_like(safe) + top, safe), 0.0)
+        y = tl.minimum(tl.maximum(xf * inv, -top), top)
         if QUANT == 1:
             code = _rne(y).to(tl.int32)
         else:
@@ -199,12 +192,6 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
     q_off = (q_start + tok).to(tl.int64) * sq_t + head * sq_h
     q = tl.load(q_ptr + q_off[:, None] + d[None, :],
                 mask=row_valid[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
-    q_mul = tl.cast(scale, tl.float32)
-    if QUANT == 1:   # against an int8 pool, the rows of scale * q as int8 rows (ops.py)
-        y, amax = _to_codes_scale(q * q_mul, 127.0)
-        q = _rne(y) * tl.math.div_rn(amax, tl.zeros_like(amax) + 127.0)
-        q_mul = tl.cast(1.0, tl.float32)
 
     m_i = tl.full([BLOCK_Q * G_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_Q * G_PAD], tl.float32)
@@ -221,7 +208,8 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
         rows = ((blk.to(tl.int64) * BS + n % BS) * KVH + kvh) * W
         kt = _load_rows(k_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         vt = _load_rows(v_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
-        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * q_mul
+        # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * tl.cast(scale, tl.float32)
         if SOFTCAP:
             s = _softcap(s, tl.cast(softcap, tl.float32))
         allowed = (n[None, :] <= qpos[:, None]) & n_valid[None, :]

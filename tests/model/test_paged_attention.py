@@ -61,59 +61,6 @@ def test_quantized_cache(cache_dtype, dtype, H, KVH, D, bs):
     check(b, atol=tol, rtol=tol)
 
 
-INT8_DECODE = [             # decode batches over int8 pools (integer products on VNNI hosts)
-    [(2047, 1)],                               # partitions of several 256-key chunks
-    [(511, 1)] * 32,
-    [(0, 1), (15, 1), (16, 1), (255, 1), (256, 1), (257, 1), (300, 1)],   # odd and chunk edges
-    [(100, 50), (40, 1), (0, 37)],             # decode beside prefill chunks
-]
-
-
-@pytest.mark.parametrize("seqs", INT8_DECODE, ids=["one-2048", "b32-512", "edges", "mixed"])
-@pytest.mark.parametrize("H,KVH,D,bs", [(9, 3, 64, 16), (8, 8, 64, 16), (10, 2, 64, 8),
-                                        (16, 2, 128, 16), (8, 4, 256, 32), (6, 2, 36, 16)],
-                         ids=["G3", "G1", "G5-bs8", "G8-D128", "D256-bs32", "D36"])
-@pytest.mark.parametrize("window,softcap", [(0, 0.0), (77, 1.5)], ids=["full", "window-cap"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int8_pool_decode(seqs, H, KVH, D, bs, window, softcap, threads):
-    """Decode rows against int8 pools: query codes times key codes summed in integers, the
-    probabilities on a 2^-15 grid of each row's largest against the value codes; the reference's
-    tolerance holds (chunks of 256 keys, odd counts, windows starting inside a block)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
-            b = make_batch(seqs, H, KVH, D, bs, dtype=dtype, cache_dtype=torch.int8,
-                           seed=D + bs + len(seqs))
-            b.window, b.softcap = window, softcap
-            check(b, atol=tol, rtol=tol)
-    finally:
-        torch.set_num_threads(prev)
-
-
-def test_int8_pool_quantizes_queries():
-    """Against an int8 pool a query row attends as int8 codes and a scale (ops.py), on decode
-    and prefill rows alike: with an outlier channel the result differs from the same keys
-    attended by float queries, and the kernel matches the reference that quantizes."""
-    from kiln.plugins.paged_kv.ops import paged_attention_reference
-
-    b = make_batch(MIXED, 9, 3, 64, 16, cache_dtype=torch.int8, seed=11)
-    b.q[:, :, 0] *= 40.0           # one large channel: the others' codes get coarse
-    b.k[:, :, 0] *= 40.0
-    k_pool = kv_format.decode(b.k_cache).contiguous()
-    v_pool = kv_format.decode(b.v_cache).contiguous()
-    k_new = kv_format.decode(kv_format.encode(b.k, torch.int8))
-    v_new = kv_format.decode(kv_format.encode(b.v, torch.int8))
-    float_q = paged_attention_reference(b.q, k_new, v_new, k_pool, v_pool, b.slot_mapping,
-                                        b.block_tables, b.context_lens, b.query_start_loc,
-                                        b.scale)
-    # decode rows' probabilities go on a 2^-15 grid of their largest: with scores this
-    # peaked the many small ones round by up to ~2e-4 of the output, far below the query's
-    # own quantization (what the float-query attention shows)
-    out = check(b, atol=1e-3, rtol=1e-3)
-    assert (out - float_q).abs().max() > 5e-2
-
-
 @pytest.mark.parametrize("name,bound", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
 def test_quantized_rows_round_trip(name, bound):
     """encode/decode of K/V rows: error within half a step of the row's scale (int8) or the

@@ -24,9 +24,7 @@
 // Pools of int8 or float8_e4m3fn hold quantized rows (plugins/paged_kv/kv_format.py): per
 // token and kv head, D one-byte codes then a float32 scale. Pass 1 quantizes (same rounding as
 // the reference, so both write the same bytes); pass 2 dequantizes a block's rows into the
-// float scratch rows it already uses for bf16 pools. Against an int8 pool the query rows are
-// quantized the same way (ops.py); on AVX-512 VNNI a decode item then multiplies codes in
-// integers (decode_item_int), elsewhere the dequantized rows go through the float paths.
+// float scratch rows it already uses for bf16 pools.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -345,20 +343,13 @@ struct Problem {
 // Per-thread scratch of a work item (floats): Q tile, O tile, running max and sum, scores,
 // K^T, and the current block's K and V rows converted from bf16.
 // The floats live in a per-thread buffer that only grows (no allocation per work item).
-// An int8 pool's queries (quantize_q): each row's int8 codes (q8, D apart), their scale (qs)
-// and the sum of their codes (qsum).
 struct Scratch {
-  float *qf, *of, *m, *l, *s, *kt, *kf, *vf, *qs;
-  int8_t* q8;
-  int32_t* qsum;
+  float *qf, *of, *m, *l, *s, *kt, *kf, *vf;
   explicit Scratch(const Problem& P) {
     const int64_t R = P.max_rows, D = P.D;
     thread_local std::vector<float> buf;
-    thread_local std::vector<int32_t> ibuf;
-    const size_t need = 2 * R * D + 3 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D;
+    const size_t need = 2 * R * D + 2 * R + R * P.ldk + D * P.ldk + 2 * P.bs * D;
     if (buf.size() < need) buf.resize(need);
-    const size_t ineed = R * ceil_div(D, 4) + R;
-    if (ibuf.size() < ineed) ibuf.resize(ineed);
     qf = buf.data();
     of = qf + R * D;
     m = of + R * D;
@@ -367,29 +358,8 @@ struct Scratch {
     kt = s + R * P.ldk;
     kf = kt + D * P.ldk;
     vf = kf + P.bs * D;
-    qs = vf + P.bs * D;
-    q8 = reinterpret_cast<int8_t*>(ibuf.data());
-    qsum = ibuf.data() + R * ceil_div(D, 4);
   }
 };
-
-// Against an int8 pool a query row is quantized like a pool row (store_row: codes =
-// round(x * 127 / max|x|), scale max|x| / 127) and attends as codes * scale, on every path;
-// the codes (D apart from q8) and scale are kept for the integer decode path.
-inline void quantize_q(float* x, int64_t D, int8_t* q8, float& qs, int32_t& qsum) {
-  float amax = 0.f;
-  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::abs(x[d]));
-  const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  qs = amax / 127.f;
-  int32_t sum = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    const float c = std::nearbyint(std::min(std::max(x[d] * inv, -127.f), 127.f));
-    q8[d] = static_cast<int8_t>(c);
-    sum += q8[d];
-    x[d] = c * qs;
-  }
-  qsum = sum;
-}
 
 // kt[d][c] = k[c][d] for 16 keys (zero past ncols) x D (a multiple of 16) in 16 x 16 register
 // transposes; false where it does not apply (not AVX-512, or ldk != 16).
@@ -735,274 +705,6 @@ void decode_item(const Problem& P, const Group& g, int64_t r0, int64_t lo, int64
   }
 }
 
-#if defined(__AVX512VNNI__)
-// ---- Decode items against an int8 pool, in integers (AVX-512 VNNI) -----------------------
-//
-// Scores: the query rows' int8 codes (quantize_q) against the K codes with vpdpbusd, 16 keys
-// to a vector: a block's K rows (64 codes = 16 dwords per slab of D) are transposed 16 x 16 so
-// that dword i of 16 keys shares a register, and each row's dword i is broadcast against it.
-// vpdpbusd multiplies unsigned by signed bytes: the K codes go in as k + 128 and the row's
-// 128 * sum(q) is taken back off. score = int sum * q scale * K row scale, exact in integers.
-//
-// P V: the chunk's probabilities times their V rows' scales are put on a grid of 32767 steps
-// of the row's largest (each off by <= 2^-16 of it, far below the V codes' own 2^-8; the
-// sums exact in int32 for 256 keys) and multiplied into the V codes with vpdpwssd, two keys
-// to a dword: the two keys' V codes widened to int16 and interleaved, each dword holding one
-// d. The interleave leaves d in the order of pv_order; the sums are put back in order, scaled
-// and added to O once per chunk. The V scales are read there, not while scoring: their rows
-// were only just asked for then, and waiting on them cost the scores 10-20%.
-
-// t[c] = dword c of 16 keys (zero past m): their K codes' slab sl (64 codes at 64 * sl) as
-// k + 128, rows `stride` apart from kb, transposed 16 x 16.
-inline void transposed_codes(const int8_t* kb, int64_t stride, int64_t m, int sl,
-                             __m512i t[16]) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int c = 0; c < 16; ++c)
-    t[c] = c < m ? _mm512_xor_si512(_mm512_loadu_si512(kb + c * stride + 64 * sl), flip)
-                 : _mm512_setzero_si512();
-  kiln::transpose16x16(t);
-}
-
-// The scales of 16 keys' rows (zero past m).
-inline __m512 key_scales(const int8_t* kb, int64_t stride, int64_t m, int64_t D) {
-  alignas(64) float ks[16] = {};
-  for (int64_t c = 0; c < m; ++c) ks[c] = row_scale(kb + c * stride, D);
-  return _mm512_load_ps(ks);
-}
-
-// 16 scores of a query row from its vpdpbusd sums against k + 128: (acc - 128 * sum of the
-// row's codes) * the row's scale * each key's.
-inline void store_scores(__m512i acc, int32_t qsum, float qs, __m512 vk, float* dst) {
-  const __m512 sc = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, _mm512_set1_epi32(128 * qsum)));
-  _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_mul_ps(sc, vk), _mm512_set1_ps(qs)));
-}
-
-struct ChunkInt {  // per thread: the chunk's int16 probabilities (4 rows) and V row pointers
-  int16_t* pq;
-  const int8_t** vrow;
-  ChunkInt() {
-    thread_local std::vector<int16_t> pbuf(4 * ChunkScratch::kLd);
-    thread_local std::vector<const int8_t*> rbuf(ChunkScratch::kLd);
-    pq = pbuf.data();
-    vrow = rbuf.data();
-  }
-};
-static_assert(kChunkKeys <= 256, "P V's int32 sums hold 256 keys of 32767 * 127 * 2");
-
-// Scores of the chunk's keys [k0, k0 + n) for NR rows (NS slabs of 64 codes in D) into
-// cs.s; the V rows' addresses into ci.vrow.
-template <int NR, int NS>
-void chunk_scores_int(const Problem& P, const Group& g, int64_t k0, int64_t n, int64_t hi,
-                      const int8_t* kc, const int8_t* vc, const Index& bt, const Scratch& w,
-                      int64_t r0, ChunkScratch& cs, ChunkInt& ci) {
-  const int64_t D = P.D, bs = P.bs, stride = P.cache_tok, ld = ChunkScratch::kLd;
-  const int32_t* qd[NR];
-  for (int r = 0; r < NR; ++r) qd[r] = reinterpret_cast<const int32_t*>(w.q8 + (r0 + r) * D);
-  for (int64_t pos = k0; pos < k0 + n;) {
-    const int64_t blk = pos / bs, in0 = pos % bs;
-    const int64_t cnt = std::min(bs - in0, k0 + n - pos);  // keys of this block in the chunk
-    const int64_t base = bt(g.b, blk) * P.cache_blk + g.kh * P.row;
-    const int8_t* kb = kc + base + in0 * stride;
-    const int8_t* vb = vc + base + in0 * stride;
-    const int8_t* kn = nullptr;
-    if ((blk + 1) * bs < hi) kn = kc + bt(g.b, blk + 1) * P.cache_blk + g.kh * P.row;
-    const int64_t j0 = pos - k0;
-    for (int64_t c0 = 0; c0 < cnt; c0 += 16) {
-      const int64_t m = std::min<int64_t>(16, cnt - c0);
-      // the next block's K rows and these keys' V rows, asked for a row at a time between
-      // the products (a burst of them all stalls on the core's few line-fill buffers)
-      const int8_t* kp = kn ? kn + (in0 + c0) * stride : nullptr;
-      const int64_t nk = kn ? std::min<int64_t>(16, bs - in0 - c0) : 0;
-      __m512i acc[NR];
-      for (int r = 0; r < NR; ++r) acc[r] = _mm512_setzero_si512();
-      for (int sl = 0; sl < NS; ++sl) {
-        __m512i kt[16];
-        transposed_codes(kb + c0 * stride, stride, m, sl, kt);
-        for (int i = 0; i < 16; ++i) {
-          if (sl == 0) {
-            if (i < nk) prefetch_rows(kp + i * stride, 1, stride, P.row);
-            if (i < m) prefetch_rows(vb + (c0 + i) * stride, 1, stride, P.row);
-          }
-          for (int r = 0; r < NR; ++r)
-            acc[r] = _mm512_dpbusd_epi32(acc[r], kt[i], _mm512_set1_epi32(qd[r][16 * sl + i]));
-        }
-      }
-      const __m512 vk = key_scales(kb + c0 * stride, stride, m, D);
-      for (int r = 0; r < NR; ++r)
-        store_scores(acc[r], w.qsum[r0 + r], w.qs[r0 + r], vk, cs.s + r * ld + j0 + c0);
-    }
-    for (int64_t c = 0; c < cnt; ++c) ci.vrow[j0 + c] = vb + c * stride;
-    pos += cnt;
-  }
-}
-
-// 32 int8 codes as 32 int16.
-inline __m512i widen16(const int8_t* p) {
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// d of the 16 dwords of pv lanes: lanes 4L + i of the low / high interleave hold d = 8L + i /
-// 8L + 4 + i; these pick d 0..15 (lo) and 16..31 (hi) of a 32-value half back out of the two.
-inline __m512i pv_order(bool hi) {
-  return hi ? _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)
-            : _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-}
-
-// O[r] = O[r] * corr[r] + sum_j p[r][j] V[j] over the chunk's n keys (p: the probabilities
-// in cs.s, times their V rows' scales here), one slab of 64 values of D at a time.
-template <int NR, int NS>
-void chunk_pv_int(const Problem& P, int64_t n, const float* corr, ChunkScratch& cs,
-                  ChunkInt& ci, float* of) {
-  const int64_t D = P.D, ld = ChunkScratch::kLd;
-  float sp[NR];
-  float* vs = cs.vs;   // the V rows' scales, read here: their rows were asked for while scoring
-  for (int64_t j = 0; j < n; ++j) vs[j] = row_scale(ci.vrow[j], D);
-  for (int r = 0; r < NR; ++r) {   // p * V scale on the row's grid; one zero key past an odd n
-    float* sr = cs.s + r * ld;
-    __m512 vmax = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 k = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 x =
-          _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sr + j), _mm512_maskz_loadu_ps(k, vs + j));
-      _mm512_storeu_ps(sr + j, x);
-      vmax = _mm512_max_ps(vmax, x);
-    }
-    const float mx = _mm512_reduce_max_ps(vmax);
-    sp[r] = mx / 32767.f;
-    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
-    int16_t* pr = ci.pq + r * ld;
-    for (int64_t j = 0; j < n; j += 16) {
-      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(sr + j), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm512_cvtepi32_epi16(c));
-    }
-    pr[n] = 0;
-  }
-  ci.vrow[n] = ci.vrow[n - 1];
-  for (int sl = 0; sl < NS; ++sl) {
-    __m512i acc[NR][4];
-    for (int r = 0; r < NR; ++r)
-      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < n; j += 2) {
-      const int8_t* a = ci.vrow[j] + 64 * sl;
-      const int8_t* b = ci.vrow[j + 1] + 64 * sl;
-      const __m512i a0 = widen16(a), a1 = widen16(a + 32), b0 = widen16(b), b1 = widen16(b + 32);
-      const __m512i vv[4] = {_mm512_unpacklo_epi16(a0, b0), _mm512_unpackhi_epi16(a0, b0),
-                             _mm512_unpacklo_epi16(a1, b1), _mm512_unpackhi_epi16(a1, b1)};
-      for (int r = 0; r < NR; ++r) {
-        int32_t pair;
-        std::memcpy(&pair, ci.pq + r * ld + j, sizeof(pair));
-        const __m512i pp = _mm512_set1_epi32(pair);
-        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_dpwssd_epi32(acc[r][k], vv[k], pp);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      float* o = of + r * D + 64 * sl;
-      const __m512 vc = _mm512_set1_ps(corr[r]), vs = _mm512_set1_ps(sp[r]);
-      for (int h = 0; h < 2; ++h) {   // d 32h .. 32h + 31 from the lo / hi interleaves
-        const __m512 f0 = _mm512_cvtepi32_ps(acc[r][2 * h]);
-        const __m512 f1 = _mm512_cvtepi32_ps(acc[r][2 * h + 1]);
-        for (int e = 0; e < 2; ++e) {
-          const __m512 x = _mm512_permutex2var_ps(f0, pv_order(e == 1), f1);
-          float* od = o + 32 * h + 16 * e;
-          _mm512_storeu_ps(od, _mm512_fmadd_ps(_mm512_loadu_ps(od), vc, _mm512_mul_ps(x, vs)));
-        }
-      }
-    }
-  }
-}
-
-// decode_item against an int8 pool with D = 64 * NS, in integers.
-template <int NR, int NS>
-void decode_item_int(const Problem& P, const Group& g, int64_t r0, int64_t lo, int64_t hi,
-                     const int8_t* kc, const int8_t* vc, const Index& bt, Scratch& w) {
-  const int64_t first = P.window > 0 ? std::max(lo, g.pos0 - P.window + 1) : lo;
-  float *m = w.m + r0, *l = w.l + r0;
-  ChunkScratch cs;
-  ChunkInt ci;
-  for (int64_t k0 = first; k0 < hi; k0 += kChunkKeys) {
-    const int64_t n = std::min(kChunkKeys, hi - k0);
-    chunk_scores_int<NR, NS>(P, g, k0, n, hi, kc, vc, bt, w, r0, cs, ci);
-    float corr[NR];
-    for (int r = 0; r < NR; ++r) {
-      float* sr = cs.s + r * ChunkScratch::kLd;
-      if (P.softcap > 0.f) softcap_row(sr, n, P.softcap);
-      corr[r] = chunk_softmax(sr, n, nullptr, m[r], l[r]);
-    }
-    chunk_pv_int<NR, NS>(P, n, corr, cs, ci, w.of + r0 * P.D);
-  }
-}
-
-// ---- Prefill tiles against an int8 pool: the scores in integers -------------------------
-//
-// A tile of many rows (a chunk's tokens x G heads) meets each block once: its K codes are
-// transposed once per 16 keys into w.kt (as in chunk_scores_int), every row's codes go
-// against them four rows at a time, and the online softmax and P V stay the float path's.
-
-// s[r * ldk + 0:16] for NR rows (codes q8, D apart) against 16 keys transposed in kt
-// (NS slabs of 16 dword vectors), times the rows' and the keys' (vk) scales.
-template <int NR, int NS>
-inline void rows_scores_int(const int32_t* kt, const Scratch& w, int64_t r0, int64_t D,
-                            __m512 vk, float* s, int64_t ldk) {
-  const int32_t* qd[NR];
-  __m512i acc[NR];
-  for (int r = 0; r < NR; ++r) {
-    qd[r] = reinterpret_cast<const int32_t*>(w.q8 + (r0 + r) * D);
-    acc[r] = _mm512_setzero_si512();
-  }
-  for (int i = 0; i < 16 * NS; ++i) {
-    const __m512i k = _mm512_loadu_si512(kt + 16 * i);
-    for (int r = 0; r < NR; ++r)
-      acc[r] = _mm512_dpbusd_epi32(acc[r], k, _mm512_set1_epi32(qd[r][i]));
-  }
-  for (int r = 0; r < NR; ++r)
-    store_scores(acc[r], w.qsum[r0 + r], w.qs[r0 + r], vk, s + r * ldk);
-}
-
-// w.s[r][0:ncols] for the rows [r0, R) of a tile against a block's keys kb of an int8 pool
-// (D = 64 * NS).
-template <int NS>
-void block_scores_int(const Problem& P, int64_t r0, int64_t R, int64_t ncols, const int8_t* kb,
-                      Scratch& w) {
-  const int64_t D = P.D, ldk = P.ldk, stride = P.cache_tok;
-  int32_t* kt = reinterpret_cast<int32_t*>(w.kt);   // D * ldk floats: room for 16 keys' D
-  for (int64_t c0 = 0; c0 < ncols; c0 += 16) {
-    const int64_t m = std::min<int64_t>(16, ncols - c0);
-    for (int sl = 0; sl < NS; ++sl) {
-      __m512i t[16];
-      transposed_codes(kb + c0 * stride, stride, m, sl, t);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(kt + 256 * sl + 16 * i, t[i]);
-    }
-    const __m512 vk = key_scales(kb + c0 * stride, stride, m, D);
-    for (int64_t r = r0; r < R; r += 4)
-      with_rows(std::min<int64_t>(4, R - r), [&](auto nr_tag) {
-        rows_scores_int<decltype(nr_tag)::value, NS>(kt, w, r, D, vk, w.s + r * ldk + c0, ldk);
-      });
-  }
-}
-
-inline bool try_block_scores_int(const Problem& P, int64_t r0, int64_t R, int64_t ncols,
-                                 const int8_t* kb, Scratch& w) {
-  if (P.D % 64 != 0) return false;
-  return with_nv<1, 2, 4>(P.D / 64, [&](auto ns_tag) {
-    block_scores_int<decltype(ns_tag)::value>(P, r0, R, ncols, kb, w);
-  });
-}
-
-// A decode item's G rows against an int8 pool, four at a time, for D of 64, 128 or 256.
-inline bool try_decode_item_int(const Problem& P, const Group& g, int64_t lo, int64_t hi,
-                                const int8_t* kc, const int8_t* vc, const Index& bt,
-                                Scratch& w) {
-  if (g.nq != 1 || P.D % 64 != 0) return false;
-  return with_nv<1, 2, 4>(P.D / 64, [&](auto ns_tag) {
-    for (int64_t r0 = 0; r0 < P.G; r0 += 4)
-      with_rows(std::min<int64_t>(4, P.G - r0), [&](auto nr_tag) {
-        decode_item_int<decltype(nr_tag)::value, decltype(ns_tag)::value>(P, g, r0, lo, hi, kc,
-                                                                          vc, bt, w);
-      });
-  });
-}
-#endif
-
 // decode_item over a decode item's G rows, four at a time (two with D of 16 vectors, whose K
 // row takes 16 registers; a G of 8 reads its keys again, from cache), for D = NV * kVec with
 // NV in 2, 3, 4, 6, 8, 16; false: not covered.
@@ -1010,10 +712,6 @@ template <typename cache_t>
 bool try_decode_item(const Problem& P, const Group& g, int64_t lo, int64_t hi,
                      const cache_t* kc, const cache_t* vc, const Index& bt, Scratch& w) {
   if (g.nq != 1 || P.D % kVec != 0) return false;
-#if defined(__AVX512VNNI__)
-  if constexpr (std::is_same_v<cache_t, int8_t>)
-    if (try_decode_item_int(P, g, lo, hi, kc, vc, bt, w)) return true;
-#endif
   return with_nv<2, 3, 4, 6, 8, 16>(P.D / kVec, [&](auto nv_tag) {
     constexpr int NV = decltype(nv_tag)::value;
     constexpr int64_t kRows = NV >= 16 ? 2 : 4;
@@ -1036,9 +734,6 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
     for (int64_t gg = 0; gg < G; ++gg)
       to_float(q + (g.t0 + j) * P.q_s0 + (g.kh * G + gg) * P.q_s1, w.qf + (j * G + gg) * D, D,
                P.scale);
-  if constexpr (std::is_same_v<cache_t, int8_t>)
-    for (int64_t r = 0; r < R; ++r)
-      quantize_q(w.qf + r * D, D, w.q8 + r * D, w.qs[r], w.qsum[r]);
   std::fill(w.of, w.of + R * D, 0.f);
   std::fill(w.m, w.m + R, kNegInf);
   std::fill(w.l, w.l + R, 0.f);
@@ -1063,11 +758,6 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
     for (int64_t r = r0; r < std::min(r1, r0 + 4); ++r)
       row_keys(P, g.pos0 + r / G, start, ncols, clo[r - r0], nvalid[r - r0]);
     if (try_decode_block(P, r0, r1 - r0, ncols, clo, nvalid, kb, vb, w)) continue;
-    bool scored = false;   // an int8 pool's many-row tile: its scores in integers
-#if defined(__AVX512VNNI__)
-    if constexpr (std::is_same_v<cache_t, int8_t>)
-      scored = r1 - r0 >= kTransposeRows && try_block_scores_int(P, r0, r1, ncols, kb, w);
-#endif
     // Keys and values as float rows [c][D] (the pool itself when it is float32).
     const float *krows = w.kf, *vrows = w.vf;
     int64_t kvstride = D;
@@ -1077,11 +767,11 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
       kvstride = P.cache_tok;
     } else {
       for (int64_t c = 0; c < ncols; ++c) {
-        if (!scored) load_row(kb + c * P.cache_tok, w.kf + c * D, D);
+        load_row(kb + c * P.cache_tok, w.kf + c * D, D);
         load_row(vb + c * P.cache_tok, w.vf + c * D, D);
       }
     }
-    if (!scored) block_scores(P, r0, r1, ncols, krows, kvstride, w);
+    block_scores(P, r0, r1, ncols, krows, kvstride, w);
     for (int64_t r = r0; r < r1; ++r) {
       int64_t c0, n;
       row_keys(P, g.pos0 + r / G, start, ncols, c0, n);

@@ -24,7 +24,8 @@ from kiln.runtime.plan import Plan, PlanError, load_step_fn
 @dataclass(frozen=True)
 class KVLayout:
     """Shape of the KV pools: per layer, K and V of [num_blocks, tokens_per_block, kvh, row]
-    (row = head_dim, or head_dim codes + 4 scale bytes for an int8/fp8 cache: kv_format)."""
+    (row = head_dim, or head_dim codes + 4 scale bytes for an int8/fp8 cache), each kv head's
+    rows of a block stored together (kv_format.new_pools)."""
     num_layers: int
     num_blocks: int
     tokens_per_block: int

@@ -120,8 +120,10 @@ class Batch:
 
 
 def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float32,
-               max_seq_len=2048, seed=0) -> Batch:
-    """seqs: [(tokens already in the pool, tokens this step)]; blocks shuffled over the pool."""
+               max_seq_len=2048, seed=0, pool_layout=True) -> Batch:
+    """seqs: [(tokens already in the pool, tokens this step)]; blocks shuffled over the pool,
+    laid out as the runtime's pools (kv_format.new_pools), or plain contiguous tensors with
+    pool_layout=False (the ops take both)."""
     from kiln.plugins.paged_kv import kv_format
 
     g = torch.Generator().manual_seed(seed)
@@ -140,10 +142,11 @@ def make_batch(seqs, H, KVH, D, bs, dtype=torch.float32, cache_dtype=torch.float
         qsl.append(qsl[-1] + n)
     T = qsl[-1]
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    layout = kv_format.in_pool_layout if pool_layout else (lambda x: x)
     return Batch(
         q=rnd(T, H, D).to(dtype), k=rnd(T, KVH, D).to(dtype), v=rnd(T, KVH, D).to(dtype),
-        k_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
-        v_cache=kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype),
+        k_cache=layout(kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype)),
+        v_cache=layout(kv_format.encode(rnd(num_blocks, bs, KVH, D), cache_dtype)),
         slot_mapping=torch.tensor(slots, dtype=torch.long), block_tables=bt,
         context_lens=torch.tensor([c + n for c, n in seqs], dtype=torch.long),
         query_start_loc=torch.tensor(qsl, dtype=torch.long), scale=1.0 / math.sqrt(D))
@@ -164,11 +167,12 @@ def check_paged_attention(op, batch: Batch, atol=1e-4, rtol=1e-4) -> torch.Tenso
     assert out.dtype == batch.q.dtype and out.shape == batch.q.shape
     torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
 
-    KVH, W = kc0.shape[2], kc0.shape[3]
+    bs = kc0.shape[1]
+    where = (batch.slot_mapping // bs, batch.slot_mapping % bs)
     raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
     for pool, orig, new in ((batch.k_cache, kc0, batch.k), (batch.v_cache, vc0, batch.v)):
         expect = raw(orig.clone())
-        expect.view(-1, KVH, W)[batch.slot_mapping] = raw(kv_format.encode(new, orig.dtype))
+        expect[where] = raw(kv_format.encode(new, orig.dtype))
         assert torch.equal(raw(pool), expect)
     assert torch.equal(raw(batch.k_cache), raw(ref_k))
     assert torch.equal(raw(batch.v_cache), raw(ref_v))

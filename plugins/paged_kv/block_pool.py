@@ -1,7 +1,7 @@
 """The KV block pool: pure-Python accounting of the paged KV pools' blocks.
 
 The pool hands out block ids; it never touches a tensor. The executor owns the tensors
-(`[num_blocks, tokens_per_block, kv_heads, head_dim]` per layer), the scheduler owns the
+(`[num_blocks, tokens_per_block, kv_heads, row]` per layer: kv_format), the scheduler owns the
 policy (who gets blocks, who is preempted); the pool only counts.
 
 Prefix caching: a *full* block whose K/V has been computed is identified by a chained hash

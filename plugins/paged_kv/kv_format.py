@@ -7,8 +7,11 @@
                          (QMAX 127 for int8, 448 for E4M3); read back as code * scale.
 
 So a layer's pool is [num_blocks, tokens_per_block, kv_heads, row_width] of the storage dtype
-(row_width = D, or D + 4 when quantized), and a quantized pool holds about 4x (vs fp32) or
-2x (vs bf16) the tokens of a float pool in the same bytes. The paged-attention op reads the
+(row_width = D, or D + 4 when quantized), stored kv head by kv head within each block
+(new_pools: a [num_blocks, kv_heads, tokens_per_block, row_width] tensor seen through a
+permuted view), so the rows one attention work item reads from a block lie together; the
+ops take any such order of the first three dims from the pools' strides. A quantized pool
+holds about 4x (vs fp32) or 2x (vs bf16) the tokens of a float pool in the same bytes. The paged-attention op reads the
 format from the pool's dtype (int8 or float8_e4m3fn means codes + scale); its reference
 (plugins/paged_kv/ops.py) and its CPU kernel implement the same rounding, so they write the
 same bytes.
@@ -71,11 +74,32 @@ def pool_shape(name: str, num_blocks: int, tokens_per_block: int, num_kv_heads: 
 
 def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int,
               num_kv_heads: int, head_dim: int, device="cpu"):
-    """Zeroed (k_caches, v_caches): one pool per layer for K and for V."""
-    shape = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    """Zeroed (k_caches, v_caches): one pool per layer for K and for V, each of pool_shape
+    with every kv head's rows of a block together (see the module's docstring).
+
+    A decode step reads every sequence's whole context from memory, block by scattered
+    block, one kv head at a time: with the heads apart, what one head reads of a block is
+    one run of bytes (with 64-token blocks, 64 rows), not rows strided by the other heads'
+    (docs/JOURNAL.md has the measurements)."""
+    nb, bs, kvh, width = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
     dt = storage_dtype(name)
-    return ([torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)],
-            [torch.zeros(shape, dtype=dt, device=device) for _ in range(num_layers)])
+
+    def pool():
+        return torch.zeros((nb, kvh, bs, width), dtype=dt, device=device).transpose(1, 2)
+    return [pool() for _ in range(num_layers)], [pool() for _ in range(num_layers)]
+
+
+def in_pool_layout(x):
+    """A copy of x [num_blocks, tokens_per_block, kv_heads, row] laid out as new_pools lays
+    out its pools (each kv head's rows of a block together); same shape and values."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def dense_rows(pool) -> bool:
+    """True when pool's elements fill its storage once, rows at stride 1, in some order of its
+    first three dims (what the paged-attention kernels address through the strides)."""
+    order = sorted(range(3), key=lambda d: -pool.stride(d))
+    return pool.stride(3) == 1 and pool.permute(*order, 3).is_contiguous()
 
 
 def encode(x, dtype):

@@ -48,12 +48,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              slot_mapping: torch.Tensor) -> None:
     """Scatter this step's K/V [T, KVH, D] into their flat slots of the pools, in place
     (quantized first when the pool is int8/fp8)."""
-    kvh, w = k_cache.shape[2], k_cache.shape[3]
+    bs = k_cache.shape[1]
+    blocks, offsets = slot_mapping // bs, slot_mapping % bs   # pools may be permuted views
     for x, pool in ((k, k_cache), (v, v_cache)):
         rows = kv_format.encode(x, pool.dtype)
-        if kv_format.is_quantized(pool.dtype):   # as bytes: no index_copy_ for float8 on CPU
+        if kv_format.is_quantized(pool.dtype):   # as bytes: no index_put_ for float8 on CPU
             pool, rows = pool.view(torch.uint8), rows.view(torch.uint8)
-        pool.view(-1, kvh, w).index_copy_(0, slot_mapping, rows)
+        pool.index_put_((blocks, offsets), rows)
 
 
 def paged_attention_reference(q, k, v, k_cache, v_cache, slot_mapping, block_tables,

@@ -111,10 +111,10 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
-                     sk_t, sk_h, sv_t, sv_h,
+                     sk_t, sk_h, sv_t, sv_h, sc_blk, sc_tok, sc_head,
                      KVH: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     W: tl.constexpr, BLOCK_T: tl.constexpr, QUANT: tl.constexpr,
-                     BF16_FROM_F32: tl.constexpr):
+                     W: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
+                     QUANT: tl.constexpr, BF16_FROM_F32: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     t_mask = t < T
@@ -122,7 +122,7 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
     d_mask = d < D
     m = t_mask[:, None] & d_mask[None, :]
     slot = tl.load(slot_ptr + t, mask=t_mask, other=0).to(tl.int64)
-    rows = (slot * KVH + h) * W
+    rows = slot // BS * sc_blk + slot % BS * sc_tok + h * sc_head
     t64 = t.to(tl.int64)[:, None]
     k = tl.load(k_ptr + t64 * sk_t + h * sk_h + d[None, :], mask=m, other=0.0)
     _store_rows(k, k_cache_ptr, rows, t_mask, d, d_mask, D, QUANT, BF16_FROM_F32)
@@ -158,6 +158,7 @@ def _softcap(s, cap):
 @triton.jit
 def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
                    scale, window, softcap, B, sq_t, sq_h, so_t, so_h, sbt,
+                   sc_blk, sc_tok, sc_head,
                    KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                    D: tl.constexpr, D_PAD: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
@@ -205,7 +206,7 @@ def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qs
         n = start + tl.arange(0, BLOCK_N)
         n_valid = n < kv_end
         blk = tl.load(bt_ptr + b.to(tl.int64) * sbt + n // BS, mask=n_valid, other=0)
-        rows = ((blk.to(tl.int64) * BS + n % BS) * KVH + kvh) * W
+        rows = blk.to(tl.int64) * sc_blk + (n % BS) * sc_tok + kvh * sc_head
         kt = _load_rows(k_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         vt = _load_rows(v_cache_ptr, rows, n_valid, d, d_mask, D, QUANT)
         # float32 scalars: AOTInductor passes Python floats as fp64, which would make s fp64
@@ -259,7 +260,9 @@ def _check_inputs(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context
     width = kv_format.row_width(kv_format.name_of(k_cache.dtype), D)
     need(k_cache.shape[3] == width, f"pool rows must be {width} wide for head_dim {D} "
          f"({'D codes + 4 scale bytes' if width != D else 'D values'}), got {k_cache.shape[3]}")
-    need(k_cache.is_contiguous() and v_cache.is_contiguous(), "pools must be contiguous")
+    need(k_cache.stride() == v_cache.stride() and kv_format.dense_rows(k_cache),
+         "pools must be dense with rows of stride 1 and one set of strides, got "
+         f"{k_cache.stride()} and {v_cache.stride()}")
     for name, t in (("slot_mapping", slot_mapping), ("block_tables", block_tables),
                     ("context_lens", context_lens), ("query_start_loc", query_start_loc)):
         need(t.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64")
@@ -294,18 +297,21 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     G_PAD = triton.next_power_of_2(G)
     D_PAD = max(16, triton.next_power_of_2(D))
     W, BS = k_cache.shape[3], k_cache.shape[1]
+    cache_strides = k_cache.stride()[:3]   # block, token, kv head (kv_format.new_pools)
     quant = _QUANT_CODE.get(k_cache.dtype, 0)
     B = context_lens.shape[0]
     out = q.new_empty((T, H, D))
 
     wrap_triton(_write_kv_kernel)[(triton.cdiv(T, WRITE_BLOCK_T), KVH)](
         k, v, k_cache, v_cache, slot_mapping, T, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), KVH=KVH, D=D, D_PAD=D_PAD, W=W, BLOCK_T=WRITE_BLOCK_T, QUANT=quant,
+        v.stride(1), *cache_strides, KVH=KVH, D=D, D_PAD=D_PAD, W=W, BS=BS,
+        BLOCK_T=WRITE_BLOCK_T, QUANT=quant,
         BF16_FROM_F32=k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)
     block_q = max(1, ROWS // G_PAD)
     wrap_triton(_attend_kernel)[(T // block_q + B, KVH)](
         q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
-        scale, window, softcap, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        scale, window, softcap, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables.stride(0), *cache_strides,
         KVH=KVH, G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, W=W, BS=BS, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N, QUANT=quant, DOT_PRECISION=dot_precision(q.dtype),
         OUT_BF16=q.dtype == torch.bfloat16, WINDOWED=window > 0, SOFTCAP=softcap > 0,

@@ -65,6 +65,18 @@ def test_quantized_cache(cache_dtype, dtype, H, KVH, D, bs):
     check(b, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_pool_layouts(cache_dtype):
+    """The runtime's pools (kv heads apart within a block) and contiguous ones: same output,
+    same bytes written."""
+    outs = []
+    for pool_layout in (True, False):
+        b = make_batch(MIXED, 8, 2, 64, 32, cache_dtype=cache_dtype, pool_layout=pool_layout)
+        outs.append((check(b), b.k_cache.contiguous(), b.v_cache.contiguous()))
+    for x, y in zip(*outs):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+
+
 @pytest.mark.parametrize("seqs,window", WINDOWS, ids=WINDOW_IDS)
 @pytest.mark.parametrize("H,KVH,D,bs,softcap", [(9, 3, 64, 8, 0.0), (6, 2, 36, 16, 1.5)],
                          ids=["smollm2", "d36-softcap"])
@@ -126,8 +138,9 @@ def test_int32_metadata_and_strided_qkv():
 @pytest.mark.parametrize("change,match", [
     (lambda b: dict(q=b.q[:, :5]), "multiple of kv heads"),
     (lambda b: dict(query_start_loc=b.query_start_loc[:-1]), "B\\+1"),
-    (lambda b: dict(k_cache=b.k_cache.transpose(1, 2).contiguous().transpose(1, 2)),
-     "contiguous"),
+    (lambda b: dict(k_cache=b.k_cache.contiguous()), "one set of strides"),
+    (lambda b: dict(k_cache=torch.zeros(*b.k_cache.shape[:3], 80)[..., :64],
+                    v_cache=torch.zeros(*b.v_cache.shape[:3], 80)[..., :64]), "dense"),
     (lambda b: dict(k=b.k.bfloat16()), "share a dtype"),
     (lambda b: dict(v_cache=b.v_cache.bfloat16()), "one dtype"),
     (lambda b: dict(k_cache=b.k_cache.double(), v_cache=b.v_cache.double()), "pool dtype"),
@@ -136,7 +149,7 @@ def test_int32_metadata_and_strided_qkv():
     (lambda b: dict(q=b.q[..., :32]), "k and v must be"),
     (lambda b: dict(slot_mapping=b.slot_mapping.float()), "int32 or int64"),
     (lambda b: dict(q=b.q[:-1]), "k and v must be"),
-], ids=["heads", "qsl-size", "cache-layout", "qkv-dtypes", "cache-dtypes", "cache-fp64",
+], ids=["heads", "qsl-size", "cache-layout", "cache-gaps", "qkv-dtypes", "cache-dtypes", "cache-fp64",
         "int8-without-scales", "head-dim", "index-dtype", "token-count"])
 def test_bad_inputs_raise(change, match):
     b = make_batch([(10, 4), (3, 1)], 8, 2, 64, 16)

@@ -61,6 +61,22 @@ def test_quantized_cache(cache_dtype, dtype, H, KVH, D, bs):
     check(b, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("H,KVH,D,bs", [(9, 3, 64, 64), (8, 2, 128, 16)])
+def test_pool_layouts(cache_dtype, H, KVH, D, bs):
+    """The runtime's pools (kv heads apart within a block) and plain contiguous ones give the
+    same output and the same bytes in the pools; new_pools makes the former."""
+    outs = []
+    for pool_layout in (True, False):
+        b = make_batch(MIXED, H, KVH, D, bs, cache_dtype=cache_dtype, pool_layout=pool_layout)
+        assert b.k_cache.is_contiguous() != pool_layout
+        outs.append((check(b), b.k_cache.contiguous(), b.v_cache.contiguous()))
+    for x, y in zip(*outs):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+    k, _ = kv_format.new_pools("int8", 1, 4, bs, KVH, D)
+    assert k[0].shape == (4, bs, KVH, D + 4) and k[0].stride()[1:] == (D + 4, bs * (D + 4), 1)
+
+
 @pytest.mark.parametrize("name,bound", [("int8", 0.5 / 127), ("fp8", 1 / 16)])
 def test_quantized_rows_round_trip(name, bound):
     """encode/decode of K/V rows: error within half a step of the row's scale (int8) or the
@@ -164,8 +180,9 @@ def _call(b: Batch, **over):
 @pytest.mark.parametrize("change,match", [
     (lambda b: dict(q=b.q[:, :5]), "multiple of kv heads"),
     (lambda b: dict(query_start_loc=b.query_start_loc[:-1]), "B\\+1"),
-    (lambda b: dict(k_cache=b.k_cache.transpose(1, 2).contiguous().transpose(1, 2)),
-     "contiguous"),
+    (lambda b: dict(k_cache=b.k_cache.contiguous()), "same strides"),
+    (lambda b: dict(k_cache=torch.zeros(*b.k_cache.shape[:3], 80)[..., :64],
+                    v_cache=torch.zeros(*b.v_cache.shape[:3], 80)[..., :64]), "dense"),
     (lambda b: dict(q=b.q.half(), k=b.k.half(), v=b.v.half()), "float32 or bfloat16"),
     (lambda b: dict(k=b.k.bfloat16()), "share a dtype"),
     (lambda b: dict(v_cache=b.v_cache.bfloat16()), "k_cache and v_cache"),
@@ -181,7 +198,7 @@ def _call(b: Batch, **over):
     (lambda b: dict(q=b.q[:-1]), "k and v must be"),
     (lambda b: dict(window=-1), "window must be >= 0"),
     (lambda b: dict(softcap=-1.0), "softcap must be >= 0"),
-], ids=["heads", "qsl-size", "cache-layout", "fp16", "qkv-dtypes", "cache-dtypes",
+], ids=["heads", "qsl-size", "cache-layout", "cache-gaps", "fp16", "qkv-dtypes", "cache-dtypes",
         "head-dim", "cache-fp16", "int8-without-scales", "index-dtype", "bad-slot", "bad-block", "short-context", "long-context",
         "token-count", "window", "softcap"])
 def test_bad_inputs_raise(change, match):

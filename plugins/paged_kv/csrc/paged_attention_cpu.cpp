@@ -25,6 +25,10 @@
 // token and kv head, D one-byte codes then a float32 scale. Pass 1 quantizes (same rounding as
 // the reference, so both write the same bytes); pass 2 dequantizes a block's rows into the
 // float scratch rows it already uses for bf16 pools.
+//
+// Rows are addressed through the pools' strides (block, token, kv head): the runtime's pools
+// keep each kv head's rows of a block together (kv_format.new_pools), so a work item reads
+// one run of bytes a block; contiguous [blocks, tokens, heads, row] pools work the same.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -334,7 +338,7 @@ struct Problem {
   int64_t T, H, KVH, G, D, bs, ldk, max_rows, part_len;
   int64_t q_s0, q_s1;
   int64_t row;                   // elements of one token's row of one kv head (D; +4 quantized)
-  int64_t cache_tok, cache_blk;  // strides of the pools: token, block
+  int64_t cache_blk, cache_tok, cache_head;  // strides of the pools: block, token, kv head
   float scale;
   int64_t window;                // keys a row sees, itself included; 0: all before it
   float softcap;                 // scores -> softcap * tanh(scores / softcap); 0: off
@@ -616,12 +620,12 @@ void chunk_scores(const Problem& P, const Group& g, int64_t k0, int64_t n, int64
   for (int64_t pos = k0; pos < k0 + n;) {
     const int64_t blk = pos / bs, in0 = pos % bs;
     const int64_t cnt = std::min(bs - in0, k0 + n - pos);  // keys of this block in the chunk
-    const int64_t base = bt(g.b, blk) * P.cache_blk + g.kh * P.row;
+    const int64_t base = bt(g.b, blk) * P.cache_blk + g.kh * P.cache_head;
     const cache_t* kb = kc + base + in0 * stride;
     const cache_t* vb = vc + base + in0 * stride;
     const cache_t* kn = nullptr;
     if ((blk + 1) * bs < hi)
-      kn = kc + bt(g.b, blk + 1) * P.cache_blk + g.kh * P.row;
+      kn = kc + bt(g.b, blk + 1) * P.cache_blk + g.kh * P.cache_head;
     const int64_t j0 = pos - k0;
     for (int64_t c0 = 0; c0 < cnt; c0 += 4) {
       if (kn) prefetch_rows(kn + (in0 + c0) * stride, 4, stride, P.row);
@@ -659,7 +663,7 @@ void chunk_pv(const Problem& P, const Group& g, int64_t k0, int64_t n, const cac
     for (int64_t pos = k0; pos < k0 + n;) {
       const int64_t blk = pos / bs, in0 = pos % bs;
       const int64_t cnt = std::min(bs - in0, k0 + n - pos);
-      const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.row + in0 * stride;
+      const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.cache_head + in0 * stride;
       const float* p = cs.s + (pos - k0);
       for (int64_t c = 0; c < cnt; ++c) {
         const cache_t* vr = vb + c * stride + t * kVec;
@@ -741,10 +745,10 @@ void attend_item(const Problem& P, const Group& g, int64_t part, const scalar_t*
   const bool done = try_decode_item(P, g, lo, hi, kc, vc, bt, w);
   for (int64_t blk = lo / bs; !done && blk * bs < hi; ++blk) {
     const int64_t start = blk * bs, ncols = std::min(bs, hi - start);
-    const cache_t* kb = kc + bt(g.b, blk) * P.cache_blk + g.kh * P.row;
-    const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.row;
+    const cache_t* kb = kc + bt(g.b, blk) * P.cache_blk + g.kh * P.cache_head;
+    const cache_t* vb = vc + bt(g.b, blk) * P.cache_blk + g.kh * P.cache_head;
     if ((blk + 1) * bs < hi) {  // blocks are scattered: prefetch the next one's rows
-      const int64_t nxt = bt(g.b, blk + 1) * P.cache_blk + g.kh * P.row;
+      const int64_t nxt = bt(g.b, blk + 1) * P.cache_blk + g.kh * P.cache_head;
       prefetch_rows(kc + nxt, bs, P.cache_tok, P.row);
       prefetch_rows(vc + nxt, bs, P.cache_tok, P.row);
     }
@@ -830,7 +834,8 @@ void write_kv(const Problem& P, const at::Tensor& k, const at::Tensor& v, at::Te
   at::parallel_for(0, P.T * KVH, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / KVH, h = i % KVH;
-      const int64_t dst = slots(t) * P.cache_tok + h * P.row;
+      const int64_t dst = slots(t) / P.bs * P.cache_blk + slots(t) % P.bs * P.cache_tok +
+                          h * P.cache_head;
       store_row(kp + t * ks0 + h * ks1, kc + dst, D);
       store_row(vp + t * vs0 + h * vs1, vc + dst, D);
     }
@@ -999,8 +1004,13 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                               ct == at::kChar || ct == at::kFloat8_e4m3fn),
               "paged_attention (CPU): k_cache and v_cache must both be float32, bfloat16, int8 "
               "or float8_e4m3fn, got ", k_cache.scalar_type(), " and ", v_cache.scalar_type());
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_attention: k_cache and v_cache must be contiguous (they are written in place)");
+  // Pools are [num_blocks, block_size, KVH, row] in any order of the first three dims
+  // (kv_format.new_pools keeps each kv head's rows of a block together), rows dense.
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.strides() == v_cache.strides() &&
+                  k_cache.is_non_overlapping_and_dense(),
+              "paged_attention: k_cache and v_cache must be dense, non-overlapping, with rows "
+              "of stride 1 and the same strides, got ", k_cache.strides(), " and ",
+              v_cache.strides());
   TORCH_CHECK(k_in.device().is_cpu() && v_in.device().is_cpu() && k_cache.device().is_cpu() &&
                   v_cache.device().is_cpu(),
               "paged_attention (CPU): q, k, v and the caches must all be CPU tensors");
@@ -1028,7 +1038,9 @@ at::Tensor paged_attention_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   P.T = T; P.H = H; P.KVH = KVH; P.G = H / KVH; P.D = D; P.bs = bs;
   P.ldk = ceil_div(bs, kVec) * kVec;
   P.q_s0 = q.stride(0); P.q_s1 = q.stride(1);
-  P.row = row; P.cache_tok = KVH * row; P.cache_blk = bs * KVH * row;
+  P.row = row;
+  P.cache_blk = k_cache.stride(0); P.cache_tok = k_cache.stride(1);
+  P.cache_head = k_cache.stride(2);
   P.scale = static_cast<float>(scale);
   P.window = window;
   P.softcap = static_cast<float>(softcap);

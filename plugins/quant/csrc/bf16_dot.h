@@ -63,7 +63,8 @@ inline void tile_dpbf16(const uint16_t* xb, const uint16_t* w, int64_t K, const 
   }
   alignas(16) float s[MR][4];
 #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) _mm_store_ps(s[r], kiln::hsum4_ps(a[r][0], a[r][1], a[r][2], a[r][3]));
+  for (int r = 0; r < MR; ++r)
+    _mm_store_ps(s[r], kiln::hsum4_ps(a[r][0], a[r][1], a[r][2], a[r][3]));
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kDotNB; ++j) {
       float t = s[r][j];

@@ -194,7 +194,8 @@ inline void tile_vnni(const QuantX& x, const int8_t* wq, int64_t last, int64_t m
   alignas(16) int32_t s[MR][4];
 #pragma GCC unroll 4
   for (int r = 0; r < MR; ++r)
-    _mm_store_si128(reinterpret_cast<__m128i*>(s[r]), kiln::hsum4_epi32(a[r][0], a[r][1], a[r][2], a[r][3]));
+    _mm_store_si128(reinterpret_cast<__m128i*>(s[r]),
+                    kiln::hsum4_epi32(a[r][0], a[r][1], a[r][2], a[r][3]));
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kNB; ++j)
       acc[r][j] = s[r][j] - 128 * x.sum[m0 + r] +

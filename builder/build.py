@@ -122,11 +122,14 @@ def is_up_to_date(out: Path, fp: str) -> bool:
 
 
 def kv_cache_section(spec: Spec) -> KVCacheSection:
+    from kiln.plugins.paged_kv import kv_format
+
     kind, value = parse_memory(spec.kv_cache.memory)
     return KVCacheSection(tokens_per_block=spec.kv_cache.tokens_per_block, dtype=spec.kv_dtype,
                           memory=spec.kv_cache.memory,
                           budget_bytes=int(value) if kind == "bytes" else None,
-                          budget_fraction=None if kind == "bytes" else float(value))
+                          budget_fraction=None if kind == "bytes" else float(value),
+                          pool_order=kv_format.POOL_ORDER)
 
 
 def build(spec_path: str | os.PathLike, out: str | os.PathLike | None = None,

@@ -264,6 +264,10 @@ class LimitsSection(_Section):
                                 f"for an output token in max_seq_len {self.max_seq_len}")
 
 
+# The orders a KV pool may store its [block, token, kv head] rows in (kv_format.new_pools).
+POOL_ORDERS = ("block_token_head", "block_head_token")
+
+
 @dataclass(frozen=True)
 class KVCacheSection(_Section):
     """kv_cache: the paged KV pool's layout and the memory it may take at load."""
@@ -272,11 +276,18 @@ class KVCacheSection(_Section):
     memory: Union[int, float, str]      # as the spec wrote it
     budget_bytes: Optional[int]         # one of these two is set
     budget_fraction: Optional[float]    # of the memory available at load
+    # the order the pools store [block, token, kv head] in (plugins/paged_kv/kv_format.py):
+    # the engine was captured on pools of this order and its kernels read them so; plans
+    # that do not record it predate the heads-apart order
+    pool_order: str = "block_token_head"
 
     def _validate(self, path: str) -> None:
         if (self.budget_bytes is None) == (self.budget_fraction is None):
             raise ManifestError(f"{path}.budget_bytes", "exactly one of budget_bytes and "
                                 "budget_fraction must be set")
+        if self.pool_order not in POOL_ORDERS:
+            raise ManifestError(f"{path}.pool_order", f"{self.pool_order!r} is not one of "
+                                f"{', '.join(POOL_ORDERS)}")
 
 
 @dataclass(frozen=True)

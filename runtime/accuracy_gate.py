@@ -103,10 +103,13 @@ def score_logits(logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, li
 
 
 def eval_layout(num_layers: int, num_kv_heads: int, head_dim: int, window: int,
-                tokens_per_block: int, kv_dtype: str) -> KVLayout:
-    """The KV pools that hold one evaluation window (block 0 unused)."""
+                tokens_per_block: int, kv_dtype: str,
+                pool_order: str = KVLayout.pool_order) -> KVLayout:
+    """The KV pools that hold one evaluation window (block 0 unused), in a plan's pool order
+    (the default: a plan built now)."""
     blocks = -(-window // tokens_per_block)
-    return KVLayout(num_layers, blocks + 1, tokens_per_block, num_kv_heads, head_dim, kv_dtype)
+    return KVLayout(num_layers, blocks + 1, tokens_per_block, num_kv_heads, head_dim, kv_dtype,
+                    pool_order)
 
 
 @torch.inference_mode()
@@ -182,7 +185,7 @@ def rerun_gate(plan: Plan, step_fn=None) -> GateRerun:
             step_fn = base_only(step_fn, m.lora, plan.shape.num_layers)
     shape, window = plan.shape, window_size(m.limits.max_num_tokens, m.limits.max_seq_len)
     layout = eval_layout(shape.num_layers, shape.num_kv_heads, shape.head_dim, window,
-                         m.kv_cache.tokens_per_block, m.kv_cache.dtype)
+                         m.kv_cache.tokens_per_block, m.kv_cache.dtype, m.kv_cache.pool_order)
     res = evaluate(step_fn, layout, ids, window)
     got = score(res, recorded.ref_ppl, read_top1(plan.data_file(REFERENCE_FILE)),
                 recorded.max_ppl_increase)

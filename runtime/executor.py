@@ -32,6 +32,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str = "fp32"
+    pool_order: str = kv_format.POOL_ORDER   # the plan's kv_cache.pool_order
 
     @property
     def bytes_per_block(self) -> int:
@@ -45,13 +46,15 @@ class KVLayout:
 
     @classmethod
     def for_budget(cls, budget_bytes: int, num_layers: int, tokens_per_block: int,
-                   num_kv_heads: int, head_dim: int, dtype: str) -> "KVLayout":
+                   num_kv_heads: int, head_dim: int, dtype: str,
+                   pool_order: str = kv_format.POOL_ORDER) -> "KVLayout":
         probe = cls(num_layers, 1, tokens_per_block, num_kv_heads, head_dim, dtype)
         n = budget_bytes // probe.bytes_per_block
         if n < 2:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds {n} blocks of "
                              f"{probe.bytes_per_block} bytes; raise kv_cache.memory")
-        return cls(num_layers, int(n), tokens_per_block, num_kv_heads, head_dim, dtype)
+        return cls(num_layers, int(n), tokens_per_block, num_kv_heads, head_dim, dtype,
+                   pool_order)
 
 
 def available_memory() -> int:
@@ -200,7 +203,7 @@ class Executor:
         self.lora = lora          # a plan with lora: the adapter slots its step reads
         self.k_caches, self.v_caches = kv_format.new_pools(
             layout.dtype, layout.num_layers, layout.num_blocks, layout.tokens_per_block,
-            layout.num_kv_heads, layout.head_dim, device)
+            layout.num_kv_heads, layout.head_dim, device, layout.pool_order)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput, lora_slots: Optional[torch.Tensor] = None
@@ -223,7 +226,8 @@ class Executor:
         budget = kv_budget_bytes or resolve_kv_budget(kv)
         try:
             layout = KVLayout.for_budget(budget, shape.num_layers, kv.tokens_per_block,
-                                         shape.num_kv_heads, shape.head_dim, kv.dtype)
+                                         shape.num_kv_heads, shape.head_dim, kv.dtype,
+                                         kv.pool_order)
         except ValueError as e:
             raise PlanError(f"plan {plan.path}: {e}") from None
         lora = plan.manifest.lora

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.contracts.manifest import POOL_ORDERS
+
 ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1, "fp8": 1}
 QUANTIZED = ("int8", "fp8")
 SCALE_BYTES = 4
@@ -72,10 +74,17 @@ def pool_shape(name: str, num_blocks: int, tokens_per_block: int, num_kv_heads: 
     return (num_blocks, tokens_per_block, num_kv_heads, row_width(name, head_dim))
 
 
+# The order new plans' pools store [block, token, kv head] in (the manifest's
+# kv_cache.pool_order; plans that predate it were captured on "block_token_head").
+POOL_ORDER = "block_head_token"
+
+
 def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int,
-              num_kv_heads: int, head_dim: int, device="cpu"):
-    """Zeroed (k_caches, v_caches): one pool per layer for K and for V, each of pool_shape
-    with every kv head's rows of a block together (see the module's docstring).
+              num_kv_heads: int, head_dim: int, device="cpu", order: str = POOL_ORDER):
+    """Zeroed (k_caches, v_caches): one pool per layer for K and for V, each of pool_shape,
+    with every kv head's rows of a block together (see the module's docstring), or stored in
+    that shape's own order with order="block_token_head" (a plan built before the heads-apart
+    order).
 
     A decode step reads every sequence's whole context from memory, block by scattered
     block, one kv head at a time: with the heads apart, what one head reads of a block is
@@ -84,7 +93,12 @@ def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int
     nb, bs, kvh, width = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
     dt = storage_dtype(name)
 
+    if order not in POOL_ORDERS:
+        raise ValueError(f"unknown KV pool order {order!r}; allowed: {', '.join(POOL_ORDERS)}")
+
     def pool():
+        if order == "block_token_head":
+            return torch.zeros((nb, bs, kvh, width), dtype=dt, device=device)
         return torch.zeros((nb, kvh, bs, width), dtype=dt, device=device).transpose(1, 2)
     return [pool() for _ in range(num_layers)], [pool() for _ in range(num_layers)]
 

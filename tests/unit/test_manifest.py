@@ -32,7 +32,8 @@ MANIFEST = {
     "limits": {"max_batch_size": 8, "max_seq_len": 256, "max_input_len": 255,
                "max_num_tokens": 64},
     "kv_cache": {"tokens_per_block": 16, "dtype": "fp32", "memory": "8MiB",
-                 "budget_bytes": 8388608, "budget_fraction": None},
+                 "budget_bytes": 8388608, "budget_fraction": None,
+                 "pool_order": "block_head_token"},
     "scheduler": {"policy": "max_utilization", "chunked_prefill": True, "prefix_caching": True,
                   "max_queue": 1024},
     "engine": {"backend": "aoti", "file": "engine.pt2", "kernels": ["kernels/k.so"],
@@ -53,6 +54,17 @@ def test_round_trip_is_exact_and_typed():
     assert m.model.shape.num_kv_heads == 2 and m.files["engine.pt2"].size == 3
     assert m.pinned_isa == "avx2" and m.golden == (GoldenPrompt(prompt="hi"),) \
         and m.total_bytes == 7
+
+
+def test_kv_pool_order_of_older_plans_and_bad_values():
+    """A plan that predates kv_cache.pool_order was captured on [block, token, head] pools and
+    reads as such (its runtime allocates them so); an unknown order is named."""
+    data = copy.deepcopy(MANIFEST)
+    del data["kv_cache"]["pool_order"]
+    assert PlanManifest.from_json(data).kv_cache.pool_order == "block_token_head"
+    data["kv_cache"]["pool_order"] = "head_block_token"
+    with pytest.raises(ManifestError, match=r"kv_cache\.pool_order.*block_head_token"):
+        PlanManifest.from_json(data)
 
 
 def test_quantization_record_keeps_the_keys_it_was_written_with():

@@ -11,8 +11,8 @@ So a layer's pool is [num_blocks, tokens_per_block, kv_heads, row_width] of the 
 (new_pools: a [num_blocks, kv_heads, tokens_per_block, row_width] tensor seen through a
 permuted view), so the rows one attention work item reads from a block lie together; the
 ops take any such order of the first three dims from the pools' strides. A quantized pool
-holds about 4x (vs fp32) or 2x (vs bf16) the tokens of a float pool in the same bytes. The paged-attention op reads the
-format from the pool's dtype (int8 or float8_e4m3fn means codes + scale); its reference
+holds about 4x (vs fp32) or 2x (vs bf16) the tokens of a float pool in the same bytes. The
+paged-attention op reads the format from the pool's dtype (int8 or float8_e4m3fn means codes + scale); its reference
 (plugins/paged_kv/ops.py) and its CPU kernel implement the same rounding, so they write the
 same bytes.
 """
@@ -77,6 +77,14 @@ def pool_shape(name: str, num_blocks: int, tokens_per_block: int, num_kv_heads: 
 # The order new plans' pools store [block, token, kv head] in (the manifest's
 # kv_cache.pool_order; plans that predate it were captured on "block_token_head").
 POOL_ORDER = "block_head_token"
+# Each order as the permutation from pool_shape's dims to the stored ones (its own inverse).
+_STORED_DIMS = {"block_token_head": (0, 1, 2, 3), "block_head_token": (0, 2, 1, 3)}
+
+
+def _stored_dims(order: str) -> tuple[int, ...]:
+    if order not in _STORED_DIMS:
+        raise ValueError(f"unknown KV pool order {order!r}; allowed: {', '.join(POOL_ORDERS)}")
+    return _STORED_DIMS[order]
 
 
 def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int,
@@ -90,23 +98,21 @@ def new_pools(name: str, num_layers: int, num_blocks: int, tokens_per_block: int
     block, one kv head at a time: with the heads apart, what one head reads of a block is
     one run of bytes (with 64-token blocks, 64 rows), not rows strided by the other heads'
     (docs/JOURNAL.md has the measurements)."""
-    nb, bs, kvh, width = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    shape = pool_shape(name, num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    dims = _stored_dims(order)
+    stored = tuple(shape[d] for d in dims)
     dt = storage_dtype(name)
 
-    if order not in POOL_ORDERS:
-        raise ValueError(f"unknown KV pool order {order!r}; allowed: {', '.join(POOL_ORDERS)}")
-
     def pool():
-        if order == "block_token_head":
-            return torch.zeros((nb, bs, kvh, width), dtype=dt, device=device)
-        return torch.zeros((nb, kvh, bs, width), dtype=dt, device=device).transpose(1, 2)
+        return torch.zeros(stored, dtype=dt, device=device).permute(dims)
     return [pool() for _ in range(num_layers)], [pool() for _ in range(num_layers)]
 
 
-def in_pool_layout(x):
-    """A copy of x [num_blocks, tokens_per_block, kv_heads, row] laid out as new_pools lays
-    out its pools (each kv head's rows of a block together); same shape and values."""
-    return x.transpose(1, 2).contiguous().transpose(1, 2)
+def in_pool_layout(x, order: str = POOL_ORDER):
+    """A copy of x [num_blocks, tokens_per_block, kv_heads, row] stored in `order` as
+    new_pools stores its pools; same shape and values."""
+    dims = _stored_dims(order)
+    return x.permute(dims).contiguous().permute(dims)
 
 
 def dense_rows(pool) -> bool:

@@ -112,9 +112,8 @@ def _store_rows(x, cache_ptr, rows, t_mask, d, d_mask, D: tl.constexpr, QUANT: t
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, T,
                      sk_t, sk_h, sv_t, sv_h, sc_blk, sc_tok, sc_head,
-                     KVH: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                     W: tl.constexpr, BS: tl.constexpr, BLOCK_T: tl.constexpr,
-                     QUANT: tl.constexpr, BF16_FROM_F32: tl.constexpr):
+                     D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                     BLOCK_T: tl.constexpr, QUANT: tl.constexpr, BF16_FROM_F32: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     t_mask = t < T
@@ -159,8 +158,8 @@ def _softcap(s, cap):
 def _attend_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bt_ptr, ctx_ptr, qsl_ptr,
                    scale, window, softcap, B, sq_t, sq_h, so_t, so_h, sbt,
                    sc_blk, sc_tok, sc_head,
-                   KVH: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
-                   D: tl.constexpr, D_PAD: tl.constexpr, W: tl.constexpr, BS: tl.constexpr,
+                   G: tl.constexpr, G_PAD: tl.constexpr,
+                   D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
                    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, OUT_BF16: tl.constexpr,
                    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -296,7 +295,7 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     G = H // KVH
     G_PAD = triton.next_power_of_2(G)
     D_PAD = max(16, triton.next_power_of_2(D))
-    W, BS = k_cache.shape[3], k_cache.shape[1]
+    BS = k_cache.shape[1]
     cache_strides = k_cache.stride()[:3]   # block, token, kv head (kv_format.new_pools)
     quant = _QUANT_CODE.get(k_cache.dtype, 0)
     B = context_lens.shape[0]
@@ -304,15 +303,15 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     wrap_triton(_write_kv_kernel)[(triton.cdiv(T, WRITE_BLOCK_T), KVH)](
         k, v, k_cache, v_cache, slot_mapping, T, k.stride(0), k.stride(1), v.stride(0),
-        v.stride(1), *cache_strides, KVH=KVH, D=D, D_PAD=D_PAD, W=W, BS=BS,
-        BLOCK_T=WRITE_BLOCK_T, QUANT=quant,
+        v.stride(1), *cache_strides, D=D, D_PAD=D_PAD, BS=BS, BLOCK_T=WRITE_BLOCK_T,
+        QUANT=quant,
         BF16_FROM_F32=k.dtype == torch.float32 and k_cache.dtype == torch.bfloat16)
     block_q = max(1, ROWS // G_PAD)
     wrap_triton(_attend_kernel)[(T // block_q + B, KVH)](
         q, k_cache, v_cache, out, block_tables, context_lens, query_start_loc,
         scale, window, softcap, B, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), *cache_strides,
-        KVH=KVH, G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, W=W, BS=BS, BLOCK_Q=block_q,
+        G=G, G_PAD=G_PAD, D=D, D_PAD=D_PAD, BS=BS, BLOCK_Q=block_q,
         BLOCK_N=BLOCK_N, QUANT=quant, DOT_PRECISION=dot_precision(q.dtype),
         OUT_BF16=q.dtype == torch.bfloat16, WINDOWED=window > 0, SOFTCAP=softcap > 0,
         num_warps=8 if D_PAD >= 128 else 4)

@@ -20,6 +20,12 @@
 // 64 rows (bench/kernel_levels.py). On an Intel Xeon with AVX-512 (AMX; quiet, 2 threads, 32
 // rows) MKL took 0.69-0.87 of its time, with 512-bit vectors in 2 x 12 tiles as with these,
 // so there AVX-512 builds keep BLAS (linear_float.cpp), as do builds without AVX2.
+//
+// Off Intel CPUs a prefill's rows (more than f32_dot_max_rows) go through it too, in near-equal
+// chunks of at most that many rows: MKL's AVX2 code runs at half the FMA rate of a 512-bit
+// datapath (AMD Zen 5: 30 SmolLM2 layers, 2 threads, 256 / 470 / 512 rows 1.69x / 1.56x /
+// 1.67x faster than MKL; level on Zen 4; AVX2 builds 1.10x), and every row of a batch then
+// gets the bits it would get in a decode step.
 #pragma once
 
 #include <cmath>
@@ -39,18 +45,33 @@ constexpr int64_t kDotMaxM = 64;
 
 #if KILN_QUANT_AVX2
 #define KILN_F32_DOT 1
-// Whether this CPU is Intel's (CPUID leaf 0's vendor string): MKL's own kernels are there.
-inline bool cpu_is_intel() {
-  static const bool intel = [] {
+// CPUID leaf 0's vendor string and leaf 1's family (base plus extended).
+struct CpuId {
+  char vendor[13] = {};
+  unsigned family = 0;
+};
+inline const CpuId& cpu_id() {
+  static const CpuId id = [] {
+    CpuId r;
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-    char vendor[13] = {};
-    std::memcpy(vendor, &b, 4);
-    std::memcpy(vendor + 4, &d, 4);
-    std::memcpy(vendor + 8, &c, 4);
-    return std::strcmp(vendor, "GenuineIntel") == 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return r;
+    std::memcpy(r.vendor, &b, 4);
+    std::memcpy(r.vendor + 4, &d, 4);
+    std::memcpy(r.vendor + 8, &c, 4);
+    if (__get_cpuid(1, &a, &b, &c, &d)) {
+      r.family = (a >> 8) & 0xf;
+      if (r.family == 0xf) r.family += (a >> 20) & 0xff;
+    }
+    return r;
   }();
-  return intel;
+  return id;
+}
+// Whether this CPU is Intel's: MKL's own kernels are there.
+inline bool cpu_is_intel() { return std::strcmp(cpu_id().vendor, "GenuineIntel") == 0; }
+// AMD from Zen 5 (family 0x1A) on executes 512-bit vector ops at full width; Zen 4 (0x19)
+// splits each in two 256-bit halves.
+inline bool cpu_amd_full_width_512() {
+  return std::strcmp(cpu_id().vendor, "AuthenticAMD") == 0 && cpu_id().family >= 0x1a;
 }
 
 inline bool f32_dot_runs() {
@@ -71,6 +92,8 @@ inline int64_t f32_dot_max_rows() {
   return kDotMaxM;
 #endif
 }
+// Whether more rows than that go through it in chunks (see above) rather than to BLAS.
+inline bool f32_dot_chunks() { return !cpu_is_intel(); }
 constexpr int64_t kDotGroup = 12;   // weight rows a thread takes at a time
 using dvec = __m256;                // 16 registers: tiles of 2 x 6 or 1 x 12 accumulators
 constexpr int kDotL = 8;
@@ -158,9 +181,12 @@ inline void dot_gemm(const float* w, const float* x, int64_t M, int64_t K, int64
 // Where it beat the register tiles (Zen 4, 2 threads, SmolLM2's shapes): from 16 rows of x on
 // weights with K up to 1024 (w13 3072 x 576 at 16 / 32 / 128 rows 276-294 / 538-568 /
 // 2119-2190 against 335-358 / 640-676 / 2534-2663 us); with K = 1536 a 16-row block of
-// weights (96 KiB) does not stay in L1, and it ran level or slower.
+// weights (96 KiB) does not stay in L1, and it ran level or slower. Where 512-bit FMAs run at
+// full width (Zen 5) the tiles' 256-bit vectors are half the rate, and it takes any K: 30
+// SmolLM2 layers at 16 / 32 / 128 rows 1.24x / 1.15x / 1.09x faster, Llama 3 8B-sized
+// weights (K 2048 - 14336) level at 16-32 rows and 1.10x at 128.
 inline bool f32_bcast_takes(int64_t M, int64_t N, int64_t K) {
-  return M >= 16 && N >= 16 && K % 16 == 0 && K <= 1024;
+  return M >= 16 && N >= 16 && K % 16 == 0 && (K <= 1024 || cpu_amd_full_width_512());
 }
 
 inline void f32_bcast_gemm(const float* w, const float* x, int64_t M, int64_t K, int64_t N,

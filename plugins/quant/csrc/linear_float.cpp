@@ -1,7 +1,6 @@
 // CPU kernels of kiln::linear_fp32 and kiln::linear_bf16, the linears of float weights
 // (schemas and references: plugins/quant/ops.py). Registered for the CPU key, so they override
 // the references once this library is loaded. Their GEMV and tile paths: dequant_gemv.h.
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include "bf16_dot.h"
@@ -65,30 +64,6 @@ struct F32Dec {
 constexpr int64_t kTallMinN = 16384;
 constexpr int64_t kTallMaxM = 64;
 
-// Off Intel CPUs MKL's sgemm gains little from its second thread at a prefill's shapes: there
-// the weight rows go to the threads in chunks of kBlasChunk, one single-threaded sgemm each (a
-// fixed split: a row's bits do not depend on the thread count). AMD Zen 4, 30 SmolLM2 layers,
-// 2 threads (bench/kernel_levels.py): 128 rows 181-231 against 235-334 ms, 512 rows 664-671
-// against 697-733.
-constexpr int64_t kBlasChunk = 64;
-
-void blas_in_chunks(const Prepared& p, const at::Tensor& weight) {
-  const int64_t N = weight.size(0);
-  const bool inference = c10::InferenceMode::is_enabled();   // thread-local: the caller's
-  kiln::parallel_chunks((N + kBlasChunk - 1) / kBlasChunk, 1, [&](int64_t c0, int64_t c1) {
-    c10::InferenceMode guard(inference);   // the out= views of an inference tensor
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t n0 = c * kBlasChunk, nt = std::min(kBlasChunk, N - n0);
-      at::Tensor o = p.out.narrow(1, n0, nt);
-      const at::Tensor wt = weight.narrow(0, n0, nt).t();
-      if (p.bias.defined())
-        at::addmm_out(o, p.bias.narrow(0, n0, nt), p.x, wt);
-      else
-        at::mm_out(o, p.x, wt);
-    }
-  });
-}
-
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
   const char* op = "kiln::linear_fp32";
@@ -97,28 +72,29 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
   const int64_t N = weight.size(0), K = weight.size(1);
   F32Dec d{weight.data_ptr<float>(), K};
 #if KILN_F32_DOT
-  if (x.dim() == 2 && x.size(0) >= kDotMinM && x.size(0) <= f32_dot_max_rows() &&
-      f32_dot_runs()) {   // a decode batch
+  if (x.dim() == 2 && x.size(0) >= kDotMinM && f32_dot_runs() &&
+      (x.size(0) <= f32_dot_max_rows() || f32_dot_chunks())) {   // see gemm_f32_dot.h
     Prepared p = prepare(x, N, K, bias, op);
     const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+    const int64_t M = p.x.size(0), chunks = (M + f32_dot_max_rows() - 1) / f32_dot_max_rows();
+    const int64_t rows = (M + chunks - 1) / chunks;   // near-equal chunks, each >= kDotMinM
+    for (int64_t m0 = 0; m0 < M && N > 0; m0 += rows) {
+      const int64_t mc = std::min(rows, M - m0);
+      const float* xm = p.x.data_ptr<float>() + m0 * K;
+      float* om = p.out.data_ptr<float>() + m0 * N;
 #if KILN_F32_BCAST
-    if (f32_bcast_takes(p.x.size(0), N, K)) {   // the same bits, faster on these shapes
-      f32_bcast_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());
-      return p.result(x);
-    }
+      if (f32_bcast_takes(mc, N, K)) {   // the same bits, faster on these shapes
+        f32_bcast_gemm(d.q, xm, mc, K, N, b, om);
+        continue;
+      }
 #endif
-    if (N > 0) dot_gemm(d.q, p.x.data_ptr<float>(), p.x.size(0), K, N, b, p.out.data_ptr<float>());
+      dot_gemm(d.q, xm, mc, K, N, b, om);
+    }
     return p.result(x);
   }
 #endif
   if (x.dim() == 2 && x.size(0) >= kTileMinM) {   // compute-bound: BLAS as it is
     Prepared p = prepare(x, N, K, bias, op);
-#if KILN_F32_DOT
-    if (!cpu_is_intel() && N > kBlasChunk) {   // see blas_in_chunks
-      blas_in_chunks(p, weight);
-      return p.result(x);
-    }
-#endif
     if (!p.bias.defined() && N >= kTallMinN && x.size(0) <= kTallMaxM)
       p.out.copy_(at::mm(weight, p.x.t()).t());
     else if (p.bias.defined())

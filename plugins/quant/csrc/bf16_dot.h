@@ -74,6 +74,17 @@ inline void tile_dpbf16(const uint16_t* xb, const uint16_t* w, int64_t K, const 
     }
 }
 
+// out[m, n0..n1) of rows of weights past the tiles' blocks: one float sum a row in k order.
+inline void scalar_rows(const uint16_t* xb, const uint16_t* w, int64_t M, int64_t K, int64_t n0,
+                        int64_t n1, const float* bias, float* out, int64_t N) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = n0; n < n1; ++n) {
+      float s = 0.0f;
+      for (int64_t k = 0; k < K; ++k) s += bf16_value(xb[m * K + k]) * bf16_value(w[n * K + k]);
+      out[m * N + n] = bias ? s + bias[n] : s;
+    }
+}
+
 // out [M, N] float32 (see the top of this file); x [M, K] float32 contiguous.
 inline void bf16_dot_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K,
                           const float* bias, float* out) {
@@ -90,14 +101,8 @@ inline void bf16_dot_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int
       std::max<int64_t>(kDotMB, (128 << 10) / std::max<int64_t>(K, 1) / kDotMB * kDotMB);
   kiln::parallel_chunks(nblocks, chunk, [&](int64_t b0, int64_t b1) {
     float t[kDotMB][kDotNB];
-    if (b1 * kDotNB > N) {   // the last partial block of weight rows (N % 4): scalar
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = N / kDotNB * kDotNB; n < N; ++n) {
-          float s = 0.0f;
-          for (int64_t k = 0; k < K; ++k) s += bf16_value(xb[m * K + k]) * bf16_value(w[n * K + k]);
-          out[m * N + n] = bias ? s + bias[n] : s;
-        }
-    }
+    if (b1 * kDotNB > N)   // the last partial block of weight rows (N % 4): scalar
+      scalar_rows(xb, w, M, K, N / kDotNB * kDotNB, N, bias, out, N);
     // whole blocks: panels of x that stay in L2, each passing over the chunk's weight rows
     const int64_t b1w = std::min(b1, N / kDotNB);
     for (int64_t p0 = 0; p0 < M; p0 += panel)

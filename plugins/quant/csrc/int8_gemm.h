@@ -155,14 +155,15 @@ struct StoreAcc {
 // 16 rows (16 K bytes, contiguous) stay in L1 while every 16-row block of x passes over
 // them; the next task's rows are prefetched during the first pass.
 // The same loops run fp32 (kF32: gemm_f32_dot.h): K counts bytes, a dword holds one k, one
-// FMA into float32 lanes (no offset: the operands are signed).
+// FMA into float32 lanes (no offset: the operands are signed); and bf16 (kBf16, AVX-512 BF16:
+// linear_float.cpp): a dword holds two k, one vdpbf16ps into float32 lanes.
 //
 // C of 16 weight rows (wt: 16 K bytes) and one 16-row block of x's B tiles (bt) into buf
 // (C[i][j] at buf[16 i + j]; float32 bits for fp32), without the int8 offset's correction.
 // kHalf: only the block's first 8 x-rows, on 256-bit registers (half the instructions; the
 // rest of buf is left as is). With `next`, the 16 K bytes there are prefetched into L1 on the
 // way.
-enum class Dp { kInt8, kF32 };
+enum class Dp { kInt8, kF32, kBf16 };
 
 template <bool kHalf, Dp kDp = Dp::kInt8>
 inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8_t* next,
@@ -200,7 +201,16 @@ inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8
             int32_t wv;
             std::memcpy(&wv, wr + r * K + 4 * q, 4);
             V& a = acc[g + r];
-            if constexpr (kDp == Dp::kF32 && kHalf)
+            if constexpr (kDp == Dp::kBf16) {
+#if defined(__AVX512BF16__)
+              if constexpr (kHalf)
+                a = _mm256_castps_si256(_mm256_dpbf16_ps(
+                    _mm256_castsi256_ps(a), (__m256bh)xv[q], (__m256bh)_mm256_set1_epi32(wv)));
+              else
+                a = _mm512_castps_si512(_mm512_dpbf16_ps(
+                    _mm512_castsi512_ps(a), (__m512bh)xv[q], (__m512bh)_mm512_set1_epi32(wv)));
+#endif
+            } else if constexpr (kDp == Dp::kF32 && kHalf)
               a = _mm256_castps_si256(_mm256_fmadd_ps(
                   _mm256_castsi256_ps(xv[q]), _mm256_castsi256_ps(_mm256_set1_epi32(wv)),
                   _mm256_castsi256_ps(a)));

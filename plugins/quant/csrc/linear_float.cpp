@@ -106,6 +106,40 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
   return run(d, x, N, K, bias, op);
 }
 
+#if KILN_BF16_DOT && KILN_F32_BCAST
+#define KILN_BF16_BCAST 1
+// bf16 on int8_gemm.h's broadcast GEMM (a dword of x's B tiles and of a weight row holds two
+// k, one vdpbf16ps each): where 512-bit vectors run at full width (AMD Zen 5) vdpbf16ps
+// retires two a cycle and the dot tiles' horizontal sums and x reloads cost more than the
+// products; there it runs at every row count from kTileMinM (a row's bits do not depend on the
+// batch: one chain of vdpbf16ps a lane, over k in order). x's rows go in near-equal chunks of
+// at most kBf16BcastRows (their B tiles stay in L2); the weight rows past the last block of 16
+// take bf16_dot.h's scalar sums.
+constexpr int64_t kBf16BcastRows = 256;
+inline bool bf16_bcast_takes(int64_t N, int64_t K) {
+  return N >= 16 && K % 32 == 0 && cpu_amd_full_width_512();
+}
+
+void bf16_bcast_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t K,
+                     const float* bias, float* out) {
+  const at::Tensor xt = x.to(at::kBFloat16).contiguous();
+  const auto* xb = static_cast<const uint16_t*>(xt.data_ptr());
+  const int64_t M = x.size(0), chunks = (M + kBf16BcastRows - 1) / kBf16BcastRows;
+  const int64_t rows = (M + chunks - 1) / chunks;
+  for (int64_t m0 = 0; m0 < M; m0 += rows) {
+    const int64_t mc = std::min(rows, M - m0);
+    const kiln_int8::BTiles b =
+        kiln_int8::pack_b(reinterpret_cast<const int8_t*>(xb + m0 * K), mc, 2 * K);
+    kiln_int8::vnni_row_blocks<kiln_int8::Dp::kBf16>(reinterpret_cast<const int8_t*>(w), 2 * K,
+                                                     b.data(), mc, N,
+                                                     kiln_int8::StoreF32{out + m0 * N, N, bias});
+  }
+  if (N % 16) kiln_bf16::scalar_rows(xb, w, M, K, N / 16 * 16, N, bias, out, N);
+}
+#else
+#define KILN_BF16_BCAST 0
+#endif
+
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
   const char* op = "kiln::linear_bf16";
@@ -125,10 +159,17 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight,
   }
 #endif
 #if KILN_BF16_DOT
-  // without the tiles: the same rows in bf16 on vdpbf16ps (bf16_dot.h)
+  // without the tiles: the same rows in bf16 on vdpbf16ps (bf16_dot.h), or where 512-bit
+  // vectors run at full width on the broadcast GEMM (bf16_bcast_gemm)
   if (x.dim() == 2 && x.size(0) >= kTileMinM && K >= 32) {
     Prepared p = prepare(x, N, K, bias, op);
     const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+#if KILN_BF16_BCAST
+    if (bf16_bcast_takes(N, K)) {
+      bf16_bcast_gemm(p.x, d.q, N, K, b, p.out.data_ptr<float>());
+      return p.result(x);
+    }
+#endif
     kiln_bf16::bf16_dot_gemm(p.x, d.q, N, K, b, p.out.data_ptr<float>());
     return p.result(x);
   }

@@ -210,16 +210,20 @@ inline void vnni_block(const int8_t* wt, int64_t K, const int8_t* bt, const int8
                 a = _mm512_castps_si512(_mm512_dpbf16_ps(
                     _mm512_castsi512_ps(a), (__m512bh)xv[q], (__m512bh)_mm512_set1_epi32(wv)));
 #endif
-            } else if constexpr (kDp == Dp::kF32 && kHalf)
-              a = _mm256_castps_si256(_mm256_fmadd_ps(
-                  _mm256_castsi256_ps(xv[q]), _mm256_castsi256_ps(_mm256_set1_epi32(wv)),
-                  _mm256_castsi256_ps(a)));
-            else if constexpr (kDp == Dp::kF32)
-              a = _mm512_castps_si512(_mm512_fmadd_ps(
-                  _mm512_castsi512_ps(xv[q]), _mm512_castsi512_ps(_mm512_set1_epi32(wv)),
-                  _mm512_castsi512_ps(a)));
-            else if constexpr (kHalf) a = _mm256_dpbusd_epi32(a, xv[q], _mm256_set1_epi32(wv));
-            else a = _mm512_dpbusd_epi32(a, xv[q], _mm512_set1_epi32(wv));
+            } else if constexpr (kDp == Dp::kF32) {
+              float wf;   // as a float: the load folds into the FMA as a broadcast operand
+              std::memcpy(&wf, wr + r * K + 4 * q, 4);
+              if constexpr (kHalf)
+                a = _mm256_castps_si256(_mm256_fmadd_ps(
+                    _mm256_castsi256_ps(xv[q]), _mm256_set1_ps(wf), _mm256_castsi256_ps(a)));
+              else
+                a = _mm512_castps_si512(_mm512_fmadd_ps(
+                    _mm512_castsi512_ps(xv[q]), _mm512_set1_ps(wf), _mm512_castsi512_ps(a)));
+            } else if constexpr (kHalf) {
+              a = _mm256_dpbusd_epi32(a, xv[q], _mm256_set1_epi32(wv));
+            } else {
+              a = _mm512_dpbusd_epi32(a, xv[q], _mm512_set1_epi32(wv));
+            }
           }
         }
       }

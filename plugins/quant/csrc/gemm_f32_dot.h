@@ -184,9 +184,11 @@ inline void dot_gemm(const float* w, const float* x, int64_t M, int64_t K, int64
 // weights (96 KiB) does not stay in L1, and it ran level or slower. Where 512-bit FMAs run at
 // full width (Zen 5) the tiles' 256-bit vectors are half the rate, and it takes any K: 30
 // SmolLM2 layers at 16 / 32 / 128 rows 1.24x / 1.15x / 1.09x faster, Llama 3 8B-sized
-// weights (K 2048 - 14336) level at 16-32 rows and 1.10x at 128.
+// weights (K 2048 - 14336) level at 16-32 rows and 1.10x at 128; and from 9 rows (9 - 12
+// rows 1.30x - 1.38x; at 8, a half block, level).
 inline bool f32_bcast_takes(int64_t M, int64_t N, int64_t K) {
-  return M >= 16 && N >= 16 && K % 16 == 0 && (K <= 1024 || cpu_amd_full_width_512());
+  const bool full = cpu_amd_full_width_512();
+  return M >= (full ? 9 : 16) && N >= 16 && K % 16 == 0 && (K <= 1024 || full);
 }
 
 inline void f32_bcast_gemm(const float* w, const float* x, int64_t M, int64_t K, int64_t N,

@@ -12,9 +12,9 @@ So a layer's pool is [num_blocks, tokens_per_block, kv_heads, row_width] of the 
 permuted view), so the rows one attention work item reads from a block lie together; the
 ops take any such order of the first three dims from the pools' strides. A quantized pool
 holds about 4x (vs fp32) or 2x (vs bf16) the tokens of a float pool in the same bytes. The
-paged-attention op reads the format from the pool's dtype (int8 or float8_e4m3fn means codes + scale); its reference
-(plugins/paged_kv/ops.py) and its CPU kernel implement the same rounding, so they write the
-same bytes.
+paged-attention op reads the format from the pool's dtype (int8 or float8_e4m3fn means codes
++ scale); its reference (plugins/paged_kv/ops.py) and its CPU kernel implement the same
+rounding, so they write the same bytes.
 """
 from __future__ import annotations
 

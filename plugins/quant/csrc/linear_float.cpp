@@ -64,6 +64,15 @@ struct F32Dec {
 constexpr int64_t kTallMinN = 16384;
 constexpr int64_t kTallMaxM = 64;
 
+// f(m0, rows) over the rows [0, M) in near-equal chunks of at most max_rows (so each has at
+// least M / ceil(M / max_rows) rows): a prefill's rows through a kernel sized for a decode
+// batch's, each row in a chunk it would also be computed in alone.
+template <class F>
+void row_chunks(int64_t M, int64_t max_rows, F&& f) {
+  const int64_t chunks = (M + max_rows - 1) / max_rows, rows = (M + chunks - 1) / chunks;
+  for (int64_t m0 = 0; m0 < M; m0 += rows) f(m0, std::min(rows, M - m0));
+}
+
 at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
   const char* op = "kiln::linear_fp32";
@@ -76,20 +85,18 @@ at::Tensor linear_fp32(const at::Tensor& x, const at::Tensor& weight,
       (x.size(0) <= f32_dot_max_rows() || f32_dot_chunks())) {   // see gemm_f32_dot.h
     Prepared p = prepare(x, N, K, bias, op);
     const float* b = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
-    const int64_t M = p.x.size(0), chunks = (M + f32_dot_max_rows() - 1) / f32_dot_max_rows();
-    const int64_t rows = (M + chunks - 1) / chunks;   // near-equal chunks, each >= kDotMinM
-    for (int64_t m0 = 0; m0 < M && N > 0; m0 += rows) {
-      const int64_t mc = std::min(rows, M - m0);
-      const float* xm = p.x.data_ptr<float>() + m0 * K;
-      float* om = p.out.data_ptr<float>() + m0 * N;
+    if (N > 0)   // chunks of at least kDotMinM rows
+      row_chunks(p.x.size(0), f32_dot_max_rows(), [&](int64_t m0, int64_t mc) {
+        const float* xm = p.x.data_ptr<float>() + m0 * K;
+        float* om = p.out.data_ptr<float>() + m0 * N;
 #if KILN_F32_BCAST
-      if (f32_bcast_takes(mc, N, K)) {   // the same bits, faster on these shapes
-        f32_bcast_gemm(d.q, xm, mc, K, N, b, om);
-        continue;
-      }
+        if (f32_bcast_takes(mc, N, K)) {   // the same bits, faster on these shapes
+          f32_bcast_gemm(d.q, xm, mc, K, N, b, om);
+          return;
+        }
 #endif
-      dot_gemm(d.q, xm, mc, K, N, b, om);
-    }
+        dot_gemm(d.q, xm, mc, K, N, b, om);
+      });
     return p.result(x);
   }
 #endif
@@ -124,17 +131,14 @@ void bf16_bcast_gemm(const at::Tensor& x, const uint16_t* w, int64_t N, int64_t 
                      const float* bias, float* out) {
   const at::Tensor xt = x.to(at::kBFloat16).contiguous();
   const auto* xb = static_cast<const uint16_t*>(xt.data_ptr());
-  const int64_t M = x.size(0), chunks = (M + kBf16BcastRows - 1) / kBf16BcastRows;
-  const int64_t rows = (M + chunks - 1) / chunks;
-  for (int64_t m0 = 0; m0 < M; m0 += rows) {
-    const int64_t mc = std::min(rows, M - m0);
+  row_chunks(x.size(0), kBf16BcastRows, [&](int64_t m0, int64_t mc) {
     const kiln_int8::BTiles b =
         kiln_int8::pack_b(reinterpret_cast<const int8_t*>(xb + m0 * K), mc, 2 * K);
     kiln_int8::vnni_row_blocks<kiln_int8::Dp::kBf16>(reinterpret_cast<const int8_t*>(w), 2 * K,
                                                      b.data(), mc, N,
                                                      kiln_int8::StoreF32{out + m0 * N, N, bias});
-  }
-  if (N % 16) kiln_bf16::scalar_rows(xb, w, M, K, N / 16 * 16, N, bias, out, N);
+  });
+  if (N % 16) kiln_bf16::scalar_rows(xb, w, x.size(0), K, N / 16 * 16, N, bias, out, N);
 }
 #else
 #define KILN_BF16_BCAST 0

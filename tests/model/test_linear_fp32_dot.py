@@ -26,7 +26,7 @@ def _ref(x, w, bias=None):
     return (out if bias is None else out + bias.double()).float()
 
 
-@pytest.mark.parametrize("n,k", [(100, 37), (576, 576), (25, 1536)])
+@pytest.mark.parametrize("n,k", [(100, 37), (576, 576), (25, 1536), (166, 192)])
 @pytest.mark.parametrize("m", [8, 9, 17, 32, 33, 64, 65, 128, 129, 200, 257, 470])
 def test_matches_x_wt(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -56,16 +56,17 @@ def _dot_kernel_runs() -> bool:
 @pytest.mark.parametrize("k", [200, 192, 1040])
 def test_row_does_not_depend_on_batch(k):
     """K = 192 takes the broadcast GEMM from 16 rows where the level has it (16 weight rows a
-    block: N = 150 leaves 6 past the blocks) and the register tiles below: both give the same
-    bits. K = 200 (not a multiple of 16) stays on the register tiles; K = 1040 takes the
+    block up to 16 rows of x, N = 166 leaving 6 past the blocks; from 17 rows tasks of 24
+    weight rows in pair tiles, leaving a tile of 12 and 10 single rows) and the register tiles
+    below: all give the same bits. K = 200 (not a multiple of 16) stays on the register tiles; K = 1040 takes the
     broadcast GEMM only where 512-bit vectors run at full width (AMD Zen 5). Off Intel the
     rows past the kernel's most go through it in chunks: a prefill's rows get the same bits."""
     top = 64 if isa.host_level().name == "avx2" else 128   # the most rows the kernel takes
     if not _intel():
         top = 2 * top + 37   # three chunks
     g = torch.Generator().manual_seed(k)
-    w, x = torch.randn(150, k, generator=g), torch.randn(top, k, generator=g)
-    bias = torch.randn(150, generator=g)
+    w, x = torch.randn(166, k, generator=g), torch.randn(top, k, generator=g)
+    bias = torch.randn(166, generator=g)
     full = torch.ops.kiln.linear_fp32(x, w, bias)
     for m in range(8, top + 1):
         got = torch.ops.kiln.linear_fp32(x[:m], w, bias)

@@ -85,37 +85,35 @@ inline const TileConfig& tile_config() {
 
 // x [M, K] int8 -> B tiles: for each block of 16 rows of x and each 64 k, 1 KiB whose row p
 // holds, for x-rows j = 0..15, the 4 bytes x[16 b + j, 64 c + 4 p .. + 3] (zeros past M).
-// In bytes, so a bf16 x (K = 2 x its elements) packs the same way: 2 k a dword. With
-// `offset`, x's bytes are stored as unsigned, x + 128 (the VNNI GEMM's u8 operand).
-// Each byte is written once: rows past M as zeros, so the buffer is not zeroed first.
+// In bytes, so a bf16 x (K = 2 x its elements) and an fp32 x (4 x) pack the same way: 2 k or
+// one k a dword. With `offset`, x's bytes are stored as unsigned, x + 128 (the VNNI GEMM's u8
+// operand). Each tile is one 16 x 16 transpose of dwords (the block's 16 rows of 64 bytes,
+// rows past M loaded as zeros), so the buffer is not zeroed first. A decode batch's x (tens of
+// KiB) packs on the calling thread; a prefill's in parallel over blocks of rows.
 struct BTiles {
   std::unique_ptr<int8_t[]> bytes;
   const int8_t* data() const { return bytes.get(); }
 };
 
 inline BTiles pack_b(const int8_t* x, int64_t M, int64_t K, bool offset = false) {
-  const uint32_t flip = offset ? 0x80808080u : 0u;
+  const __m512i flip = _mm512_set1_epi32(offset ? static_cast<int>(0x80808080u) : 0);
   const int64_t mblocks = (M + 15) / 16, kchunks = K / 64;
   BTiles b{std::unique_ptr<int8_t[]>(new int8_t[mblocks * kchunks * 1024])};
-  // blocks of x rows in parallel (a prefill's x: hundreds of KiB of 4-byte moves)
-  const int64_t chunk = kiln::chunk_items(mblocks, 16 * K, 64 << 10);
+  const int64_t chunk = kiln::chunk_items(mblocks, 16 * K, 256 << 10);
   kiln::parallel_chunks(mblocks, chunk, [&](int64_t b0, int64_t b1) {
-    for (int64_t mb = b0; mb < b1; ++mb)
-      for (int64_t j = 0; j < 16; ++j) {
-        const bool past = mb * 16 + j >= M;
-        const int8_t* row = past ? nullptr : x + (mb * 16 + j) * K;
-        for (int64_t c = 0; c < kchunks; ++c) {
-          int8_t* tile = b.bytes.get() + (mb * kchunks + c) * 1024;
-          for (int p = 0; p < 16; ++p) {
-            uint32_t v = 0;
-            if (!past) {
-              std::memcpy(&v, row + c * 64 + p * 4, 4);
-              v ^= flip;
-            }
-            std::memcpy(tile + p * 64 + j * 4, &v, 4);
-          }
-        }
+    for (int64_t mb = b0; mb < b1; ++mb) {
+      const int64_t rows = std::min<int64_t>(16, M - mb * 16);
+      for (int64_t c = 0; c < kchunks; ++c) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; ++j)
+          r[j] = j < rows ? _mm512_xor_si512(
+                                _mm512_loadu_si512(x + (mb * 16 + j) * K + c * 64), flip)
+                          : _mm512_setzero_si512();
+        kiln::transpose16x16(r);
+        int8_t* tile = b.bytes.get() + (mb * kchunks + c) * 1024;
+        for (int p = 0; p < 16; ++p) _mm512_storeu_si512(tile + p * 64, r[p]);
       }
+    }
   });
   return b;
 }

@@ -180,7 +180,7 @@ def _check_a8(x, w, bias=None):
     return out
 
 
-@pytest.mark.parametrize("n,k", SMOLLM2_SHAPES + [(37, 100), (1, 64), (130, 200)])
+@pytest.mark.parametrize("n,k", SMOLLM2_SHAPES + [(37, 100), (1, 64), (130, 200), (181, 128)])
 @pytest.mark.parametrize("m", BATCHES)
 def test_w8a8_kernel_matches_reference(m, n, k):
     g = torch.Generator().manual_seed(m * 3 + n + k)

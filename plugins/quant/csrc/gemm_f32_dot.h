@@ -174,10 +174,12 @@ inline void dot_gemm(const float* w, const float* x, int64_t M, int64_t K, int64
 #if KILN_INT8_DOT_VNNI && !KILN_INT8_GEMM_AMX
 // The same product with x laid out once per call as int8_gemm.h's B tiles (pack_b: per block
 // of 16 rows of x, a vector of the 16 rows per k), each weight broadcast from its row into
-// 512-bit FMAs: int8_gemm.h's broadcast GEMM in fp32 (vnni_row_blocks, one k a dword: 16
-// weight rows x one block of x, and from 17 rows two blocks at a time against 12 weight rows,
-// its pair tiles). Each output is the same FMA chain over k in order, then + bias, as
-// dot_gemm's: the same bits at any batch. For K a multiple of 16 and N >= 16.
+// 512-bit FMAs. Up to 16 rows of x (one block) on int8_gemm.h's broadcast GEMM in fp32
+// (vnni_row_blocks: 16 weight rows x the block); from 17 rows on two blocks at a time against
+// 12 weight rows (bcast_tile<2, 12>: 24 accumulators, per k two vector loads of x and 12
+// broadcasts for 24 FMAs, where one block takes a load for each FMA). Each output is the same
+// FMA chain over k in order, then + bias, as dot_gemm's: the same bits at any batch. For K a
+// multiple of 16 and N >= 16.
 #define KILN_F32_BCAST 1
 // Where it beat the register tiles (Zen 4, 2 threads, SmolLM2's shapes): from 16 rows of x on
 // weights with K up to 1024 (w13 3072 x 576 at 16 / 32 / 128 rows 276-294 / 538-568 /
@@ -193,31 +195,102 @@ inline bool f32_bcast_takes(int64_t M, int64_t N, int64_t K) {
   return M >= (full ? 9 : 16) && N >= 16 && K % 16 == 0 && (K <= 1024 || full);
 }
 
-// The weight row n (one of the last N % 16) against every block of x's B tiles: per block one
-// vector of 16 rows' chains over k, the same FMA chain as the blocks', then + bias.
-inline void bcast_tail_row(const float* bt, int64_t K, int64_t M, const float* w, int64_t n,
-                           const float* bias, float* out, int64_t N) {
+constexpr int kBcastNR = 12;   // weight rows of a pair tile: 2 x 12 accumulators
+
+// x's B tiles of MB 16-row blocks (bt: per block [K][16], the block's rows a vector per k)
+// against weight rows n .. n + NR: per k one vector of x per block and one broadcast weight
+// per row, NR * MB FMAs, each output one chain over k in order. Sums (+ bias) into out's rows
+// m0 .. (those < M). With `next`, the next task's weight rows are prefetched on the way.
+template <int MB, int NR>
+inline void bcast_tile(const float* bt, int64_t K, int64_t m0, int64_t M, const float* w,
+                       int64_t n, const float* next, const float* bias, float* out,
+                       int64_t N) {
+  __m512 acc[NR][MB];
+#pragma GCC unroll 32
+  for (int i = 0; i < NR; ++i)
+    for (int b = 0; b < MB; ++b) acc[i][b] = _mm512_setzero_ps();
   const float* wn = w + n * K;
-  for (int64_t blk = 0; blk * 16 < M; ++blk) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; ++k)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(bt + (blk * K + k) * 16), _mm512_set1_ps(wn[k]), acc);
-    alignas(64) float col[16];
-    _mm512_store_ps(col, acc);
-    for (int64_t j = 0; j < std::min<int64_t>(16, M - 16 * blk); ++j)
-      out[(16 * blk + j) * N + n] = col[j] + (bias ? bias[n] : 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    if (next && k % 16 == 0)
+#pragma GCC unroll 32
+      for (int i = 0; i < NR; ++i)
+        _mm_prefetch(reinterpret_cast<const char*>(next + i * K + k), _MM_HINT_T0);
+    __m512 xv[MB];
+    for (int b = 0; b < MB; ++b) xv[b] = _mm512_loadu_ps(bt + (b * K + k) * 16);
+#pragma GCC unroll 32
+    for (int i = 0; i < NR; ++i) {
+      const __m512 wb = _mm512_set1_ps(wn[i * K + k]);
+      for (int b = 0; b < MB; ++b) acc[i][b] = _mm512_fmadd_ps(xv[b], wb, acc[i][b]);
+    }
   }
+#pragma GCC unroll 2
+  for (int i0 = 0; i0 < NR; i0 += 16) {   // 16 weight rows at a time: one 16 x 16 transpose
+    const int nr = NR - i0 < 16 ? NR - i0 : 16;
+    const __mmask16 keep = static_cast<__mmask16>((1u << nr) - 1);
+    const __m512 bn = bias ? _mm512_maskz_loadu_ps(keep, bias + n + i0) : _mm512_setzero_ps();
+    for (int b = 0; b < MB; ++b) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < nr ? _mm512_castps_si512(acc[i0 + i][b]) : _mm512_setzero_si512();
+      kiln::transpose16x16(r);
+      const int64_t rows = std::min<int64_t>(16, M - m0 - 16 * b);
+      for (int64_t j = 0; j < rows; ++j)
+        _mm512_mask_storeu_ps(out + (m0 + 16 * b + j) * N + n + i0, keep,
+                              _mm512_add_ps(_mm512_castsi512_ps(r[j]), bn));
+    }
+  }
+}
+
+// Weight rows n .. n + R against every block of x's B tiles: two blocks at a time as tiles of
+// H rows, the last odd block alone in one tile of R rows.
+template <int R, int H>
+inline void bcast_rows(const float* bt, int64_t K, int64_t M, const float* w, int64_t n,
+                       const float* next, const float* bias, float* out, int64_t N) {
+  const int64_t blocks = (M + 15) / 16;
+  for (int64_t b = 0; b < blocks; b += 2) {
+    const float* nx = b == 0 ? next : nullptr;
+    const float* xb = bt + b * K * 16;
+    if (b + 1 < blocks) {
+      for (int h = 0; h < R; h += H)
+        bcast_tile<2, H>(xb, K, 16 * b, M, w, n + h, nx ? nx + h * K : nullptr, bias, out, N);
+    } else {
+      bcast_tile<1, R>(xb, K, 16 * b, M, w, n, nx, bias, out, N);
+    }
+  }
+}
+
+// Tasks of R weight rows over the engine's threads (each prefetching the next task's rows);
+// the rows past them in tiles of H, then one at a time.
+template <int R, int H>
+inline void bcast_tasks(const float* bt, int64_t K, int64_t M, const float* w, int64_t N,
+                        const float* bias, float* out) {
+  const int64_t tasks = N / R;
+  const int64_t chunk = kiln::chunk_items(tasks, 1, tasks, 8);
+  kiln::parallel_chunks(tasks, chunk, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* next = t + 1 < tasks ? w + (t + 1) * R * K : nullptr;
+      bcast_rows<R, H>(bt, K, M, w, t * R, next, bias, out, N);
+    }
+  });
+  int64_t n = tasks * R;
+  for (; n + H <= N; n += H) bcast_rows<H, H>(bt, K, M, w, n, nullptr, bias, out, N);
+  for (; n < N; ++n) bcast_rows<1, 1>(bt, K, M, w, n, nullptr, bias, out, N);
 }
 
 inline void f32_bcast_gemm(const float* w, const float* x, int64_t M, int64_t K, int64_t N,
                            const float* bias, float* out) {
   const kiln_int8::BTiles b =
       kiln_int8::pack_b(reinterpret_cast<const int8_t*>(x), M, 4 * K);
+  const float* bt = reinterpret_cast<const float*>(b.data());
+  if (M > 16) {
+    bcast_tasks<2 * kBcastNR, kBcastNR>(bt, K, M, w, N, bias, out);
+    return;
+  }
   kiln_int8::vnni_row_blocks<kiln_int8::Dp::kF32>(reinterpret_cast<const int8_t*>(w), 4 * K,
                                                   b.data(), M, N,
                                                   kiln_int8::StoreF32{out, N, bias});
-  const float* bt = reinterpret_cast<const float*>(b.data());
-  for (int64_t n = N / 16 * 16; n < N; ++n) bcast_tail_row(bt, K, M, w, n, bias, out, N);
+  for (int64_t n = N / 16 * 16; n < N; ++n)
+    bcast_rows<1, 1>(bt, K, M, w, n, nullptr, bias, out, N);
 }
 #else
 #define KILN_F32_BCAST 0

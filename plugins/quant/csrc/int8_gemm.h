@@ -151,8 +151,7 @@ struct StoreAcc {
 // vpdpbusd, each with 4 bytes of a weight row broadcast from memory (s8, straight from w:
 // no re-layout). The 128 * sum_k w[n, k] the offset adds is taken off per weight row. The
 // 16 rows (16 K bytes, contiguous) stay in L1 while every 16-row block of x passes over
-// them; the next task's rows are prefetched during the first pass. From 17 rows of x the
-// blocks of x go two at a time against 12 weight rows instead (pair_tile, below).
+// them; the next task's rows are prefetched during the first pass.
 // The same loops run fp32 (kF32: gemm_f32_dot.h): K counts bytes, a dword holds one k, one
 // FMA into float32 lanes (no offset: the operands are signed); and bf16 (kBf16, AVX-512 BF16:
 // linear_float.cpp): a dword holds two k, one vdpbf16ps into float32 lanes.
@@ -279,134 +278,13 @@ struct StoreF32 {
 
 // Every whole block of 16 weight rows (N / 16 of them) against x's B tiles (pack_b, with
 // offset for int8), spread over the engine's threads.
-// One dword step of a pair tile: acc += x . w in this Dp's arithmetic.
-template <Dp kDp>
-inline __m512i dp_step(__m512i acc, __m512i x, __m512i w) {
-  if constexpr (kDp == Dp::kBf16) {
-#if defined(__AVX512BF16__)
-    return _mm512_castps_si512(
-        _mm512_dpbf16_ps(_mm512_castsi512_ps(acc), (__m512bh)x, (__m512bh)w));
-#else
-    return acc;
-#endif
-  } else if constexpr (kDp == Dp::kF32) {
-    return _mm512_castps_si512(_mm512_fmadd_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(w),
-                                               _mm512_castsi512_ps(acc)));
-  } else {
-    return _mm512_dpbusd_epi32(acc, x, w);
-  }
-}
-
-// From two 16-row blocks of x on (x-rows 17 and up), the blocks go two at a time against 12
-// weight rows: 24 accumulators, per dword of k two loads of x and 12 broadcasts for 24
-// products, where vnni_block takes a load for each. The sums of each (weight row, x-row) are
-// the same chain as vnni_block's, in the same order: the same bits.
-constexpr int kPairRows = 12;
-
-// C of 12 weight rows (wt) against the blocks b0 and b1 into c[i][blk] (16 x-rows each),
-// without the int8 offset's correction; with `next`, those 12 rows there are prefetched.
-template <Dp kDp>
-inline void pair_tile(const int8_t* wt, int64_t K, const int8_t* b0, const int8_t* b1,
-                      const int8_t* next, int32_t (*c)[2][16]) {
-  __m512i acc[kPairRows][2];
-  for (int i = 0; i < kPairRows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-  for (int64_t d = 0; d < K / 4; ++d) {
-    if (next && d % 16 == 0)
-      for (int i = 0; i < kPairRows; ++i)
-        _mm_prefetch(reinterpret_cast<const char*>(next + i * K + 4 * d), _MM_HINT_T0);
-    const __m512i x0 = _mm512_loadu_si512(b0 + 64 * d), x1 = _mm512_loadu_si512(b1 + 64 * d);
-#pragma GCC unroll 16
-    for (int i = 0; i < kPairRows; ++i) {
-      int32_t wv;
-      std::memcpy(&wv, wt + i * K + 4 * d, 4);
-      const __m512i wb = _mm512_set1_epi32(wv);
-      acc[i][0] = dp_step<kDp>(acc[i][0], x0, wb);
-      acc[i][1] = dp_step<kDp>(acc[i][1], x1, wb);
-    }
-  }
-  for (int i = 0; i < kPairRows; ++i) {
-    _mm512_storeu_si512(c[i][0], acc[i][0]);
-    _mm512_storeu_si512(c[i][1], acc[i][1]);
-  }
-}
-
-// 48 weight rows [n0, n0 + 48) against every block of x: block pairs in four pair tiles, an
-// odd last block in three vnni_blocks; each 16 x 16 block of sums through the store as
-// vnni_rows16 hands it.
-template <Dp kDp, class Store>
-inline void vnni_rows48(const int8_t* w, int64_t n0, int64_t K, const int8_t* b, int64_t M,
-                        const int8_t* next, const Store& store) {
-  const int64_t kchunks = K / 64, mblocks = (M + 15) / 16;
-  const int8_t* wt = w + n0 * K;
-  alignas(64) int32_t buf[3][2][256];
-  alignas(64) int32_t c[kPairRows][2][16];
-  int32_t off[48] = {};   // int8: 128 * sum_k w[n0 + i, k], what x's offset added
-  if constexpr (kDp == Dp::kInt8) {
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int i = 0; i < 48; ++i) {
-      __m512i s = _mm512_setzero_si512();
-      for (int64_t ch = 0; ch < kchunks; ++ch)
-        s = _mm512_dpbusd_epi32(s, ones, _mm512_loadu_si512(wt + i * K + ch * 64));
-      off[i] = 128 * _mm512_reduce_add_epi32(s);
-    }
-  }
-  for (int64_t mb = 0; mb < mblocks; mb += 2) {
-    const int8_t* bb = b + mb * kchunks * 1024;
-    const bool two = mb + 1 < mblocks;
-    if (two) {
-      for (int t = 0; t < 4; ++t) {
-        const int8_t* nx = mb == 0 && next ? next + t * kPairRows * K : nullptr;
-        pair_tile<kDp>(wt + t * kPairRows * K, K, bb, bb + kchunks * 1024, nx, c);
-        for (int r = 0; r < kPairRows; ++r) {
-          const int row = t * kPairRows + r;
-          for (int blk = 0; blk < 2; ++blk)
-            std::memcpy(&buf[row / 16][blk][16 * (row % 16)], c[r][blk], 64);
-        }
-      }
-    } else {
-      const int64_t rows = M - mb * 16;
-      for (int g = 0; g < 3; ++g) {
-        if (rows <= 8) vnni_block<true, kDp>(wt + 16 * g * K, K, bb, nullptr, buf[g][0]);
-        else vnni_block<false, kDp>(wt + 16 * g * K, K, bb, nullptr, buf[g][0]);
-      }
-    }
-    for (int g = 0; g < 3; ++g)
-      for (int blk = 0; blk < (two ? 2 : 1); ++blk) {
-        int32_t* o = buf[g][blk];
-        if constexpr (kDp == Dp::kInt8)
-          for (int i = 0; i < 16; ++i)
-            _mm512_store_si512(o + 16 * i, _mm512_sub_epi32(_mm512_load_si512(o + 16 * i),
-                                                            _mm512_set1_epi32(off[16 * g + i])));
-        const int64_t m0 = (mb + blk) * 16;
-        store(o, n0 + 16 * g, m0, std::min<int64_t>(16, M - m0));
-      }
-  }
-}
-
-// Every whole block of 16 weight rows (N / 16 of them) against x's B tiles (pack_b, with
-// offset for int8), spread over the engine's threads: from 17 rows of x in tasks of 48 weight
-// rows (vnni_rows48, each prefetching the next), the rest and fewer rows of x 16 at a time.
-// The pair tiles took 30 SmolLM2 layers' linears (Zen 5, 2 threads) at 31 / 64 / 118 rows
-// 1.15x / 1.23x / 1.19x faster in W8A8 and 1.16-1.19x in fp32; bf16, whose weights are twice
-// int8's bytes, measured level (0.92x-1.03x) and keeps 16-row tasks.
 template <Dp kDp = Dp::kInt8, class Store = StoreAcc>
 inline void vnni_row_blocks(const int8_t* w, int64_t K, const int8_t* b, int64_t M, int64_t N,
                             const Store& store) {
-  int64_t done = 0;
-  if (kDp != Dp::kBf16 && M > 16) {
-    const int64_t tasks = N / 48;
-    const int64_t chunk = kiln::chunk_items(tasks, 1, tasks, 8);
-    kiln::parallel_chunks(tasks, chunk, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; ++t)
-        vnni_rows48<kDp>(w, t * 48, K, b, M, t + 1 < tasks ? w + (t + 1) * 48 * K : nullptr,
-                         store);
-    });
-    done = tasks * 3;
-  }
-  const int64_t blocks = N / 16 - done;
+  const int64_t blocks = N / 16;
   const int64_t chunk = kiln::chunk_items(blocks, 1, blocks, 8);
   kiln::parallel_chunks(blocks, chunk, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) vnni_rows16<kDp>(w, (done + i) * 16, K, b, M, store);
+    for (int64_t i = i0; i < i1; ++i) vnni_rows16<kDp>(w, i * 16, K, b, M, store);
   });
 }
 

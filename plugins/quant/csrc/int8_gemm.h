@@ -88,8 +88,9 @@ inline const TileConfig& tile_config() {
 // In bytes, so a bf16 x (K = 2 x its elements) and an fp32 x (4 x) pack the same way: 2 k or
 // one k a dword. With `offset`, x's bytes are stored as unsigned, x + 128 (the VNNI GEMM's u8
 // operand). Each tile is one 16 x 16 transpose of dwords (the block's 16 rows of 64 bytes,
-// rows past M loaded as zeros), so the buffer is not zeroed first. A decode batch's x (tens of
-// KiB) packs on the calling thread; a prefill's in parallel over blocks of rows.
+// rows past M loaded as zeros), so the buffer is not zeroed first. Blocks of rows go in
+// parallel (packing a decode batch's x on the calling thread alone measured level in fp32 and
+// 0.83x-0.94x in W8A8).
 struct BTiles {
   std::unique_ptr<int8_t[]> bytes;
   const int8_t* data() const { return bytes.get(); }

@@ -58,9 +58,10 @@ def test_row_does_not_depend_on_batch(k):
     """K = 192 takes the broadcast GEMM from 16 rows where the level has it (16 weight rows a
     block up to 16 rows of x, N = 166 leaving 6 past the blocks; from 17 rows tasks of 24
     weight rows in pair tiles, leaving a tile of 12 and 10 single rows) and the register tiles
-    below: all give the same bits. K = 200 (not a multiple of 16) stays on the register tiles; K = 1040 takes the
-    broadcast GEMM only where 512-bit vectors run at full width (AMD Zen 5). Off Intel the
-    rows past the kernel's most go through it in chunks: a prefill's rows get the same bits."""
+    below: all give the same bits. K = 200 (not a multiple of 16) stays on the register tiles;
+    K = 1040 takes the broadcast GEMM only where 512-bit vectors run at full width (AMD Zen 5).
+    Off Intel the rows past the kernel's most go through it in chunks: a prefill's rows get the
+    same bits."""
     top = 64 if isa.host_level().name == "avx2" else 128   # the most rows the kernel takes
     if not _intel():
         top = 2 * top + 37   # three chunks

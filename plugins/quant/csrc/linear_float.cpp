@@ -16,7 +16,9 @@ struct Bf16Dec {
   const uint16_t* q;
   int64_t K;
   static constexpr int64_t kBlockBytes = 2 * kBlock;
-  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
+  const char* at(int64_t n, int64_t k) const {
+    return reinterpret_cast<const char*>(q + n * K + k);
+  }
   float row_scale(int64_t) const { return 1.0f; }
   float tail(int64_t n, int64_t k) const {
     return float(c10::BFloat16(q[n * K + k], c10::BFloat16::from_bits()));
@@ -40,7 +42,9 @@ struct F32Dec {
   const float* q;
   int64_t K;
   static constexpr int64_t kBlockBytes = 4 * kBlock;
-  const char* at(int64_t n, int64_t k) const { return reinterpret_cast<const char*>(q + n * K + k); }
+  const char* at(int64_t n, int64_t k) const {
+    return reinterpret_cast<const char*>(q + n * K + k);
+  }
   float row_scale(int64_t) const { return 1.0f; }
   float tail(int64_t n, int64_t k) const { return q[n * K + k]; }
 #if KILN_QUANT_AVX2
